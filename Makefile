@@ -1,0 +1,46 @@
+# Set-up, build, tests and demo. Every install step of the project lives here.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+NATIVE_SOURCES := $(wildcard ops/*/*.cc ops/*/*.h) setup.py
+
+.PHONY: venv build test compat-venvs demo bench lint clean
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -r requirements-dev.txt
+	touch $@
+
+build: $(VENV)/.built
+$(VENV)/.built: $(VENV)/.installed $(NATIVE_SOURCES)
+	MAKEFLAGS= $(PIP) install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+# Whole suite: native collectives under real mpirun/perseusrun launches, hooks, estimator matrix.
+test: build compat-venvs
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --timeout=900 tests
+
+# TensorFlow compatibility matrix (tests/estimator): TF 2.15.1 and TF 2.16.2, each in its own venv,
+# built side by side and reused while their requirements file is unchanged.
+COMPAT_VENVS := .venv-tf215 .venv-tf216
+compat-venvs:
+	@$(MAKE) --no-print-directory -j2 $(addsuffix /.installed,$(COMPAT_VENVS))
+.venv-tf%/.installed: tests/estimator/requirements-tf%.txt
+	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-compile -r $<
+	touch $@
+
+demo: build
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/perseusrun -np 2 $(PY) examples/allreduce_smoke.py
+
+bench: build
+	$(VENV)/bin/perseusrun -np 2 $(PY) benchmarks/allreduce.py
+
+lint: venv
+	$(PY) -m ruff check .
+
+clean:
+	rm -rf build *.egg-info perseus_legacy/*.so

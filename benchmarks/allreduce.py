@@ -1,0 +1,153 @@
+"""Allreduce throughput of the TF graph op in a Session, against mpi4py in the same run.
+
+    perseusrun -np 2 python benchmarks/allreduce.py      (or: mpirun -np 2 python ...)
+
+For each float32 size: median time per allreduce (Sum) and algorithm bandwidth (bytes / time) of
+(a) `perseus_legacy.allreduce` run by a `tf.compat.v1.Session` and (b) `comm.Allreduce` of
+mpi4py on numpy buffers, and the bandwidth ratio a/b. Then 100 x 16 KiB tensors in one
+session.run against one 1.6 MiB tensor: what fusion costs over a single collective.
+
+How the op is measured:
+- The input is a variable, so no feed is copied into the graph each step.
+- The session runs a NoOp that has the allreduce as a control input: the result is computed but
+  never fetched. A fetch would copy the result into a new numpy array every step (a 64 MiB
+  memcpy), which measures the Session fetch path rather than the collective.
+- Each session.run runs CHAIN allreduces one after the other (control dependencies keep them
+  from being fused), so session.run's fixed Python and executor cost (~0.1-0.3 ms) is shared
+  as in a real training step with many ops; the last column shows one allreduce per run.
+Rank 0 prints markdown tables.
+"""
+
+from __future__ import annotations  # noqa: I001 (import order below is deliberate)
+
+# perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
+import perseus_legacy as pl
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+
+KIB, MIB = 1024, 1024 * 1024
+SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB]
+CHAIN = 4  # allreduces per session.run in the main table
+INTER_OP_THREADS = 2  # async kernels never hold a thread; two keep the executor responsive
+
+
+def label(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
+
+
+def median_seconds(steps: dict, repeats: int, budget_s: float) -> dict:
+    """Median seconds per call of each step function, ranks aligned by a barrier.
+
+    The steps take turns within every repeat, so load from elsewhere on the machine hits them
+    alike and the ratios stay meaningful on a busy host.
+    """
+    comm = MPI.COMM_WORLD
+    batches = {}
+    for name, step in steps.items():
+        for _ in range(3):
+            step()  # warm-up: negotiation, first allocations, page faults of fresh buffers
+        t0 = time.perf_counter()
+        step()
+        one = max(time.perf_counter() - t0, 1e-6)
+        # Every rank must make the same number of calls: rank 0's estimate decides.
+        batches[name] = comm.bcast(
+            max(1, min(500, int(budget_s / len(steps) / repeats / one))), root=0)
+    samples = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(batches[name]):
+                step()
+            samples[name].append((time.perf_counter() - t0) / batches[name])
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def session(graph: tf.Graph) -> tf.compat.v1.Session:
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=INTER_OP_THREADS)
+    return tf.compat.v1.Session(graph=graph, config=config)
+
+
+def tf_allreduce_step(shapes: list, chain: int = 1):
+    """A Session step running `chain` rounds of one Sum-allreduce per shape, nothing fetched.
+
+    Rounds are serialized by control dependencies, so each allreduce runs alone (never fused
+    with the next) and one session.run's fixed cost is shared by `chain` of them.
+    """
+    graph = tf.Graph()
+    with graph.as_default():
+        variables = [tf.compat.v1.Variable(tf.ones(s, tf.float32), name=f"input_{i}")
+                     for i, s in enumerate(shapes)]
+        previous = []
+        for k in range(chain):
+            with tf.control_dependencies(previous):
+                previous = [pl.allreduce(v.read_value(), op=pl.Sum, name=f"bench_{i}_{k}")
+                            for i, v in enumerate(variables)]
+        target = tf.group(*previous)
+        init = tf.compat.v1.global_variables_initializer()
+    graph.finalize()
+    sess = session(graph)
+    sess.run(init)
+    return lambda: sess.run(target)
+
+
+def mpi4py_step(nbytes: int):
+    comm = MPI.COMM_WORLD
+    send = np.ones(nbytes // 4, np.float32)
+    recv = np.empty_like(send)
+    return lambda: comm.Allreduce(send, recv, op=MPI.SUM)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--sizes", type=lambda text: [int(x) for x in text.split(",")],
+                        default=SIZES, help="comma-separated byte counts")
+    parser.add_argument("--budget", type=float, default=3.0, help="seconds per comparison")
+    args = parser.parse_args()
+
+    pl.init()
+    rank, size = pl.rank(), pl.size()
+    rows = []
+    for nbytes in args.sizes:
+        times = median_seconds({"op": tf_allreduce_step([[nbytes // 4]], CHAIN),
+                                "single": tf_allreduce_step([[nbytes // 4]]),
+                                "mpi4py": mpi4py_step(nbytes)}, args.repeats, args.budget)
+        rows.append((nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"]))
+
+    many_bytes = 100 * 16 * KIB
+    times = median_seconds({"many": tf_allreduce_step([[16 * KIB // 4]] * 100),
+                            "one": tf_allreduce_step([[many_bytes // 4]])},
+                           args.repeats, args.budget)
+    many_s, one_s = times["many"], times["one"]
+
+    if rank == 0:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        print(f"\nfloat32 Sum allreduce, {size} ranks, TF {tf.__version__}, "
+              f"{MPI.Get_library_version().splitlines()[0].split(',')[0]}, "
+              f"{os.cpu_count()} cores, load average {load}\n")
+        print("| size | TF op (ms) | TF op (GB/s) | mpi4py (ms) | mpi4py (GB/s) | TF op / mpi4py "
+              "| 1 op per session.run (ms) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for nbytes, op_s, single_s, mpi_s in rows:
+            print(f"| {label(nbytes)} | {op_s * 1e3:.3f} | {nbytes / op_s / 1e9:.2f} | "
+                  f"{mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | {mpi_s / op_s:.2f}x | "
+                  f"{single_s * 1e3:.3f} |")
+        print("\n| one session.run | time (ms) | GB/s |")
+        print("|---|---:|---:|")
+        print(f"| 100 x 16 KiB tensors | {many_s * 1e3:.3f} | {many_bytes / many_s / 1e9:.2f} |")
+        print(f"| 1 x 1.6 MiB tensor | {one_s * 1e3:.3f} | {many_bytes / one_s / 1e9:.2f} |")
+        print(f"\nTF op: {CHAIN} allreduces in a row per session.run, time per allreduce. "
+              "TF op / mpi4py: bandwidth ratio (target >= 0.95x at >= 1 MiB).\n"
+              f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x (target <= 1.5x).")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+// Framework-agnostic types shared by the runtime and every framework glue.
+// No TensorFlow, pybind11 or MPI header may be included here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace perseus {
+
+enum class DataType : uint8_t {
+  kFloat16 = 0,
+  kBFloat16 = 1,
+  kFloat32 = 2,
+  kFloat64 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kUInt8 = 6,
+  kInt8 = 7,
+  kBool = 8,  // allgather / broadcast / alltoall only
+};
+
+// Values are part of the Python API (perseus_legacy.Average == 0, ...): keep them stable.
+enum class ReduceOp : uint8_t {
+  kAverage = 0,
+  kSum = 1,
+  kMin = 2,
+  kMax = 3,
+  kProduct = 4,
+};
+
+enum class CollectiveType : uint8_t {
+  kAllreduce = 0,
+  kAllgather = 1,
+  kBroadcast = 2,
+  kAlltoall = 3,
+};
+
+size_t DataTypeSize(DataType dtype);
+const char* DataTypeName(DataType dtype);
+const char* ReduceOpName(ReduceOp op);
+const char* CollectiveTypeName(CollectiveType type);
+std::string ShapeString(const std::vector<int64_t>& shape);
+int64_t NumElements(const std::vector<int64_t>& shape);
+
+// An error is a value with its context; ok() when message is empty.
+class Status {
+ public:
+  Status() = default;
+  static Status OK() { return Status(); }
+  static Status Error(std::string message) { return Status(std::move(message)); }
+  bool ok() const { return message_.empty(); }
+  const std::string& message() const { return message_; }
+
+ private:
+  explicit Status(std::string message) : message_(std::move(message)) {}
+  std::string message_;
+};
+
+// Called from the background thread once the output shape of an allgather/alltoall is known.
+// Must return a buffer of NumElements(shape) * DataTypeSize(dtype) bytes that stays valid
+// until `done` runs, or an error.
+using OutputAllocator = std::function<Status(const std::vector<int64_t>& shape, void** data)>;
+using DoneCallback = std::function<void(const Status&)>;
+
+// One collective submitted by one rank. The framework owns every buffer it passes in.
+struct CollectiveRequest {
+  std::string name;  // must be identical on every rank; unique among this rank's pending requests
+  CollectiveType type = CollectiveType::kAllreduce;
+  DataType dtype = DataType::kFloat32;
+  std::vector<int64_t> shape;  // input shape
+  ReduceOp reduce_op = ReduceOp::kAverage;  // allreduce
+  double prescale_factor = 1.0;             // allreduce: input multiplied before the reduction
+  double postscale_factor = 1.0;            // allreduce: result multiplied after it
+  int root_rank = 0;                        // broadcast
+  std::vector<int64_t> splits;  // alltoall: rows sent to each rank; empty = shape[0] / size each
+
+  const void* input = nullptr;
+  // allreduce / broadcast: preallocated, same shape as input; may equal input (in place).
+  void* output = nullptr;
+  // allgather / alltoall: asked for the output once its shape is known.
+  OutputAllocator allocate_output;
+  // alltoall: filled with the rows received from each rank before `done` runs (may be null).
+  std::vector<int64_t>* received_splits = nullptr;
+
+  DoneCallback done;  // runs exactly once, on the background thread, with the op's status
+};
+
+}  // namespace perseus

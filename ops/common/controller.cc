@@ -1,0 +1,323 @@
+#include "controller.h"
+
+#include <algorithm>
+#include <sstream>
+#include <tuple>
+
+namespace perseus {
+namespace {
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << '[';
+  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  out << ']';
+  return out.str();
+}
+
+std::string Number(double value) {
+  std::ostringstream out;
+  out.precision(12);
+  out << value;
+  return out.str();
+}
+
+std::vector<int64_t> TrailingDims(const std::vector<int64_t>& shape) {
+  return shape.empty() ? shape : std::vector<int64_t>(shape.begin() + 1, shape.end());
+}
+
+// "dtype mismatch: ranks [0, 2] float32, ranks [1] float64", or "" when every rank agrees.
+template <typename ValueOf>
+std::string Mismatch(const std::vector<RequestMeta>& metas, const char* what, ValueOf value_of) {
+  std::vector<std::pair<std::string, std::vector<int>>> groups;
+  for (int r = 0; r < static_cast<int>(metas.size()); ++r) {
+    std::string value = value_of(metas[r]);
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const auto& g) { return g.first == value; });
+    if (it == groups.end()) {
+      groups.push_back({value, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (groups.size() == 1) return "";
+  std::ostringstream out;
+  out << what << " mismatch: ";
+  for (size_t i = 0; i < groups.size(); ++i) {
+    out << (i ? ", " : "") << "ranks " << RankList(groups[i].second) << ' ' << groups[i].first;
+  }
+  return out.str();
+}
+
+std::string Describe(CollectiveType type, const std::string& name) {
+  return std::string(CollectiveTypeName(type)) + " \"" + name + "\"";
+}
+
+// The common case, checked without formatting any text: every rank sent the same request
+// (up to the first dimension, which allgather and alltoall allow to differ).
+bool AllAgree(const std::vector<RequestMeta>& metas) {
+  const RequestMeta& a = metas.front();
+  const bool ragged = a.type == CollectiveType::kAllgather || a.type == CollectiveType::kAlltoall;
+  for (const RequestMeta& b : metas) {
+    if (b.type != a.type || b.dtype != a.dtype || b.reduce_op != a.reduce_op ||
+        b.root_rank != a.root_rank || b.prescale_factor != a.prescale_factor ||
+        b.postscale_factor != a.postscale_factor || b.shape.size() != a.shape.size()) {
+      return false;
+    }
+    if (!std::equal(a.shape.begin() + (ragged && !a.shape.empty() ? 1 : 0), a.shape.end(),
+                    b.shape.begin() + (ragged && !b.shape.empty() ? 1 : 0))) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {}
+
+void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) {
+  if (list.shutting_down) shutting_down_.push_back(rank);
+  announced_ = announced_ || !list.requests.empty();
+  for (const RequestMeta& meta : list.requests) {
+    Pending& p = table_[meta.name];
+    if (p.per_rank.empty()) {
+      p.per_rank.resize(options_.size);
+      p.submitted.assign(options_.size, false);
+      p.first_seen = now;
+    }
+    if (!p.submitted[rank]) ++p.count;
+    p.submitted[rank] = true;
+    p.per_rank[rank] = meta;
+    if (p.count == options_.size) ready_.push_back(meta.name);
+  }
+}
+
+Response Coordinator::Validate(const std::string& name,
+                               const std::vector<RequestMeta>& metas) const {
+  const RequestMeta& first = metas.front();
+  Response error;
+  error.type = ResponseType::kError;
+  error.names = {name};
+  auto fail = [&](const std::string& what) {
+    error.error = "perseus_legacy: " + Describe(first.type, name) + ": " + what;
+    return error;
+  };
+
+  const bool agree = AllAgree(metas);
+  std::string m;
+  if (!agree) {
+    m = Mismatch(metas, "collective",
+                 [](const RequestMeta& r) { return CollectiveTypeName(r.type); });
+  }
+  if (!m.empty()) {
+    error.error = "perseus_legacy: \"" + name + "\": " + m;
+    return error;
+  }
+  if (!agree) {
+    m = Mismatch(metas, "dtype", [](const RequestMeta& r) { return DataTypeName(r.dtype); });
+    if (!m.empty()) return fail(m);
+  }
+
+  auto shape_of = [](const RequestMeta& r) { return ShapeString(r.shape); };
+  auto trailing_of = [](const RequestMeta& r) { return ShapeString(TrailingDims(r.shape)); };
+  auto needs_dims = [&]() -> std::string {
+    std::vector<int> scalars;
+    for (int r = 0; r < static_cast<int>(metas.size()); ++r) {
+      if (metas[r].shape.empty()) scalars.push_back(r);
+    }
+    if (scalars.empty()) return "";
+    return "needs at least one dimension, but ranks " + RankList(scalars) + " passed a scalar";
+  };
+
+  Response ok;
+  ok.names = {name};
+  ok.dtype = first.dtype;
+  const int size = options_.size;
+  switch (first.type) {
+    case CollectiveType::kAllreduce: {
+      if (first.dtype == DataType::kBool) {
+        return fail("bool tensors cannot be reduced; cast them to an integer type first");
+      }
+      if (!agree) {
+        m = Mismatch(metas, "reduce op",
+                     [](const RequestMeta& r) { return ReduceOpName(r.reduce_op); });
+        if (m.empty()) {
+          m = Mismatch(metas, "prescale_factor",
+                       [](const RequestMeta& r) { return Number(r.prescale_factor); });
+        }
+        if (m.empty()) {
+          m = Mismatch(metas, "postscale_factor",
+                       [](const RequestMeta& r) { return Number(r.postscale_factor); });
+        }
+        if (m.empty()) m = Mismatch(metas, "shape", shape_of);
+        if (!m.empty()) return fail(m);
+      }
+      ok.type = ResponseType::kAllreduce;
+      ok.reduce_op = first.reduce_op;
+      ok.prescale_factor = first.prescale_factor;
+      ok.postscale_factor = first.postscale_factor;
+      return ok;
+    }
+    case CollectiveType::kBroadcast: {
+      if (!agree) {
+        m = Mismatch(metas, "root_rank",
+                     [](const RequestMeta& r) { return std::to_string(r.root_rank); });
+        if (m.empty()) m = Mismatch(metas, "shape", shape_of);
+        if (!m.empty()) return fail(m);
+      }
+      if (first.root_rank < 0 || first.root_rank >= size) {
+        return fail("root_rank " + std::to_string(first.root_rank) + " is out of range for " +
+                    std::to_string(size) + " ranks");
+      }
+      ok.type = ResponseType::kBroadcast;
+      ok.root_rank = first.root_rank;
+      return ok;
+    }
+    case CollectiveType::kAllgather: {
+      m = needs_dims();
+      if (m.empty() && !agree) {
+        m = Mismatch(metas, "shape beyond the first dimension", trailing_of);
+      }
+      if (!m.empty()) return fail(m);
+      ok.type = ResponseType::kAllgather;
+      for (const RequestMeta& r : metas) ok.sizes.push_back(r.shape[0]);
+      return ok;
+    }
+    case CollectiveType::kAlltoall: {
+      m = needs_dims();
+      if (m.empty() && !agree) {
+        m = Mismatch(metas, "shape beyond the first dimension", trailing_of);
+      }
+      if (!m.empty()) return fail(m);
+      ok.type = ResponseType::kAlltoall;
+      ok.sizes.reserve(static_cast<size_t>(size) * size);
+      for (int r = 0; r < size; ++r) {
+        const RequestMeta& meta = metas[r];
+        const int64_t rows = meta.shape[0];
+        const std::string where = " on rank " + std::to_string(r);
+        if (meta.splits.empty()) {
+          if (rows % size != 0) {
+            return fail("first dimension " + std::to_string(rows) + where +
+                        " is not divisible by " + std::to_string(size) +
+                        " ranks; pass splits");
+          }
+          ok.sizes.insert(ok.sizes.end(), size, rows / size);
+          continue;
+        }
+        if (static_cast<int>(meta.splits.size()) != size) {
+          return fail("splits " + ShapeString(meta.splits) + where + " have " +
+                      std::to_string(meta.splits.size()) + " entries, expected " +
+                      std::to_string(size) + " (one per rank)");
+        }
+        int64_t sum = 0;
+        for (int64_t s : meta.splits) {
+          if (s < 0) return fail("splits " + ShapeString(meta.splits) + where + " are negative");
+          sum += s;
+        }
+        if (sum != rows) {
+          return fail("splits " + ShapeString(meta.splits) + where + " sum to " +
+                      std::to_string(sum) + " but the first dimension is " +
+                      std::to_string(rows));
+        }
+        ok.sizes.insert(ok.sizes.end(), meta.splits.begin(), meta.splits.end());
+      }
+      return ok;
+    }
+  }
+  return fail("unknown collective type");
+}
+
+void Coordinator::AppendFused(Response response, int64_t bytes, std::vector<Response>* out,
+                              OpenFusions* open) const {
+  const FusionKey key{response.dtype, response.reduce_op, response.prescale_factor,
+                      response.postscale_factor};
+  auto it = open->find(key);
+  if (it != open->end() && it->second.second + bytes <= options_.fusion_threshold_bytes) {
+    (*out)[it->second.first].names.push_back(response.names.front());
+    it->second.second += bytes;
+    return;
+  }
+  out->push_back(std::move(response));
+  (*open)[key] = {out->size() - 1, bytes};
+}
+
+std::string Coordinator::StallCheck(Clock::time_point now, std::vector<Response>* errors) {
+  std::vector<std::string> lines;
+  for (auto it = table_.begin(); it != table_.end();) {
+    Pending& p = it->second;
+    const double age = std::chrono::duration<double>(now - p.first_seen).count();
+    std::vector<int> missing, present;
+    for (int r = 0; r < options_.size; ++r) (p.submitted[r] ? present : missing).push_back(r);
+    const RequestMeta& meta = p.per_rank[present.front()];
+    const std::string what = Describe(meta.type, it->first);
+    if (options_.stall_shutdown_secs > 0 && age >= options_.stall_shutdown_secs) {
+      Response error;
+      error.type = ResponseType::kError;
+      error.names = {it->first};
+      error.error = "perseus_legacy: " + what + " was submitted by ranks " +
+                    RankList(present) + " but not by ranks " + RankList(missing) + " for " +
+                    Number(age) + " s (PERSEUS_STALL_SHUTDOWN_SECS=" +
+                    Number(options_.stall_shutdown_secs) + "); giving up on it";
+      errors->push_back(std::move(error));
+      it = table_.erase(it);
+      continue;
+    }
+    const double since_warned = std::chrono::duration<double>(now - p.last_warned).count();
+    if (options_.stall_warning_secs > 0 && age >= options_.stall_warning_secs &&
+        (!p.warned || since_warned >= options_.stall_warning_secs)) {
+      p.warned = true;
+      p.last_warned = now;
+      lines.push_back("  " + what + ": missing ranks " + RankList(missing) +
+                      " (submitted by ranks " + RankList(present) + ", waiting " +
+                      Number(static_cast<int64_t>(age)) + " s)");
+    }
+    ++it;
+  }
+  if (lines.empty()) return "";
+  std::sort(lines.begin(), lines.end());
+  std::string text =
+      "WARNING: these tensors were submitted by some ranks but not by others for more than " +
+      Number(options_.stall_warning_secs) +
+      " s (PERSEUS_STALL_WARNING_SECS); a rank may be stuck, slower, or running a different "
+      "graph:";
+  for (const std::string& line : lines) text += "\n" + line;
+  return text;
+}
+
+ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning) {
+  ResponseList list;
+  OpenFusions open_fusions;
+  for (const std::string& name : ready_) {
+    auto node = table_.extract(name);
+    std::vector<RequestMeta> metas = std::move(node.mapped().per_rank);
+    Response response = Validate(name, metas);
+    if (response.type == ResponseType::kAllreduce) {
+      const int64_t bytes = NumElements(metas.front().shape) *
+                            static_cast<int64_t>(DataTypeSize(metas.front().dtype));
+      AppendFused(std::move(response), bytes, &list.responses, &open_fusions);
+    } else {
+      list.responses.push_back(std::move(response));
+    }
+  }
+  ready_.clear();
+
+  *stall_warning = StallCheck(now, &list.responses);
+  list.progress = announced_ || !list.responses.empty();
+  announced_ = false;
+
+  if (!shutting_down_.empty()) {
+    Response shutdown;
+    shutdown.type = ResponseType::kShutdown;
+    std::string ranks;
+    for (size_t i = 0; i < shutting_down_.size(); ++i) {
+      ranks += (i ? ", " : "") + std::to_string(shutting_down_[i]);
+    }
+    shutdown.error = (shutting_down_.size() == 1 ? "rank " : "ranks ") + ranks;
+    list.responses.push_back(std::move(shutdown));
+    shutting_down_.clear();
+  }
+  return list;
+}
+
+}  // namespace perseus

@@ -1,0 +1,104 @@
+// Two halves of "agreeing on and running collectives", kept apart so a new transport only
+// implements the first:
+//   Controller  - a transport: the control plane (bytes to / from the coordinator) and the data
+//                 plane (the collectives themselves). MpiController today; a TCP one can follow.
+//   Coordinator - rank 0's negotiation logic: which tensors every rank has submitted, whether
+//                 they agree, in which order and fused how they run, which ones stall.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "common.h"
+#include "message.h"
+
+namespace perseus {
+
+class Controller {
+ public:
+  virtual ~Controller() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+  virtual int cross_rank() const = 0;
+  virtual int cross_size() const = 0;
+  virtual bool threads_supported() const = 0;
+  virtual std::string name() const = 0;
+
+  // Control plane. Collective: every rank calls each once per negotiation round.
+  // `all` receives every rank's bytes on the coordinator (rank 0) and is left empty elsewhere.
+  virtual Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) = 0;
+  // The coordinator's `bytes` replace every other rank's.
+  virtual Status BroadcastFromCoordinator(std::string* bytes) = 0;
+
+  // Data plane. Collective, in the same order on every rank.
+  // out = reduce(in over ranks); in == out means in place.
+  virtual Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
+                           ReduceOp op) = 0;
+  // counts[r] units of `unit_bytes` from rank r, concatenated in rank order into out.
+  virtual Status Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
+                            size_t unit_bytes) = 0;
+  virtual Status Broadcast(void* data, int64_t bytes, int root) = 0;
+  // send_counts[r] units go to rank r, recv_counts[r] units come from rank r, packed in rank order.
+  virtual Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
+                           const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
+  virtual Status Barrier() = 0;
+};
+
+using Clock = std::chrono::steady_clock;
+
+struct CoordinatorOptions {
+  int size = 1;
+  int64_t fusion_threshold_bytes = 64 << 20;
+  double stall_warning_secs = 60.0;   // <= 0: never warn
+  double stall_shutdown_secs = 0.0;   // <= 0: never fail a stalled tensor
+};
+
+class Coordinator {
+ public:
+  explicit Coordinator(CoordinatorOptions options);
+
+  // Records what `rank` announced in this round.
+  void Add(int rank, const RequestList& list, Clock::time_point now);
+
+  // The round's answer: every tensor that became ready on all ranks, in the order it became
+  // ready, validated and with compatible allreduces fused; errors for tensors stalled beyond
+  // the shutdown limit; and a final kShutdown when any rank is shutting down.
+  // `stall_warning` receives text for rank 0's stderr when tensors wait on missing ranks.
+  ResponseList Plan(Clock::time_point now, std::string* stall_warning);
+
+ private:
+  struct Pending {
+    std::vector<RequestMeta> per_rank;  // indexed by rank, valid where submitted[rank]
+    std::vector<bool> submitted;
+    int count = 0;
+    Clock::time_point first_seen;
+    Clock::time_point last_warned;
+    bool warned = false;
+  };
+
+  // Allreduces reduce identically, and may share one buffer, when these agree.
+  using FusionKey = std::tuple<DataType, ReduceOp, double, double>;
+  // Per key: the index of the response still accepting tensors, and its bytes so far.
+  using OpenFusions = std::map<FusionKey, std::pair<size_t, int64_t>>;
+
+  Response Validate(const std::string& name, const std::vector<RequestMeta>& metas) const;
+  void AppendFused(Response response, int64_t bytes, std::vector<Response>* out,
+                   OpenFusions* open) const;
+  std::string StallCheck(Clock::time_point now, std::vector<Response>* errors);
+
+  CoordinatorOptions options_;
+  std::unordered_map<std::string, Pending> table_;
+  std::vector<std::string> ready_;       // names that became ready this round, in order
+  std::vector<int> shutting_down_;       // ranks that asked to shut down this round
+  bool announced_ = false;               // whether any rank announced a request this round
+};
+
+}  // namespace perseus

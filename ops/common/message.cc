@@ -1,0 +1,154 @@
+#include "message.h"
+
+#include <cstring>
+#include <type_traits>
+
+namespace perseus {
+namespace {
+
+// Every rank runs the same build on the same architecture, so scalars travel in native byte order.
+class Writer {
+ public:
+  template <typename T>
+  void Put(T value) {
+    static_assert(std::is_trivially_copyable<T>::value, "scalars only");
+    out_.append(reinterpret_cast<const char*>(&value), sizeof(T));
+  }
+  void PutString(const std::string& s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  void PutInts(const std::vector<int64_t>& v) {
+    Put<uint32_t>(static_cast<uint32_t>(v.size()));
+    if (v.empty()) return;
+    out_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(int64_t));
+  }
+  std::string Take() { return std::move(out_); }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(const std::string& in) : in_(in) {}
+  bool ok() const { return ok_; }
+  bool done() const { return pos_ == in_.size(); }
+
+  template <typename T>
+  T Get() {
+    T value{};
+    if (!Need(sizeof(T))) return value;
+    std::memcpy(&value, in_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return value;
+  }
+  std::string GetString() {
+    uint32_t n = Get<uint32_t>();
+    if (!Need(n)) return {};
+    std::string s = in_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  std::vector<int64_t> GetInts() {
+    uint32_t n = Get<uint32_t>();
+    if (!Need(static_cast<size_t>(n) * sizeof(int64_t))) return {};
+    std::vector<int64_t> v(n);
+    if (n) std::memcpy(v.data(), in_.data() + pos_, n * sizeof(int64_t));
+    pos_ += n * sizeof(int64_t);
+    return v;
+  }
+
+ private:
+  bool Need(size_t n) {
+    if (!ok_ || in_.size() - pos_ < n) ok_ = false;
+    return ok_;
+  }
+  const std::string& in_;
+  size_t pos_ = 0;
+  bool ok_ = true;
+};
+
+}  // namespace
+
+std::string Serialize(const RequestList& list) {
+  Writer w;
+  w.Put<uint8_t>(list.shutting_down);
+  w.Put<uint32_t>(static_cast<uint32_t>(list.requests.size()));
+  for (const RequestMeta& r : list.requests) {
+    w.PutString(r.name);
+    w.Put(r.type);
+    w.Put(r.dtype);
+    w.Put(r.reduce_op);
+    w.Put(r.root_rank);
+    w.Put(r.prescale_factor);
+    w.Put(r.postscale_factor);
+    w.PutInts(r.shape);
+    w.PutInts(r.splits);
+  }
+  return w.Take();
+}
+
+bool Deserialize(const std::string& bytes, RequestList* list) {
+  Reader r(bytes);
+  list->shutting_down = r.Get<uint8_t>() != 0;
+  uint32_t n = r.Get<uint32_t>();
+  list->requests.clear();
+  for (uint32_t i = 0; i < n && r.ok(); ++i) {
+    RequestMeta m;
+    m.name = r.GetString();
+    m.type = r.Get<CollectiveType>();
+    m.dtype = r.Get<DataType>();
+    m.reduce_op = r.Get<ReduceOp>();
+    m.root_rank = r.Get<int32_t>();
+    m.prescale_factor = r.Get<double>();
+    m.postscale_factor = r.Get<double>();
+    m.shape = r.GetInts();
+    m.splits = r.GetInts();
+    list->requests.push_back(std::move(m));
+  }
+  return r.ok() && r.done();
+}
+
+std::string Serialize(const ResponseList& list) {
+  Writer w;
+  w.Put<uint8_t>(list.progress);
+  w.Put<uint32_t>(static_cast<uint32_t>(list.responses.size()));
+  for (const Response& r : list.responses) {
+    w.Put(r.type);
+    w.Put<uint32_t>(static_cast<uint32_t>(r.names.size()));
+    for (const std::string& name : r.names) w.PutString(name);
+    w.Put(r.dtype);
+    w.Put(r.reduce_op);
+    w.Put(r.root_rank);
+    w.Put(r.prescale_factor);
+    w.Put(r.postscale_factor);
+    w.PutInts(r.sizes);
+    w.PutString(r.error);
+  }
+  return w.Take();
+}
+
+bool Deserialize(const std::string& bytes, ResponseList* list) {
+  Reader r(bytes);
+  list->progress = r.Get<uint8_t>() != 0;
+  uint32_t n = r.Get<uint32_t>();
+  list->responses.clear();
+  for (uint32_t i = 0; i < n && r.ok(); ++i) {
+    Response resp;
+    resp.type = r.Get<ResponseType>();
+    uint32_t names = r.Get<uint32_t>();
+    for (uint32_t j = 0; j < names && r.ok(); ++j) resp.names.push_back(r.GetString());
+    resp.dtype = r.Get<DataType>();
+    resp.reduce_op = r.Get<ReduceOp>();
+    resp.root_rank = r.Get<int32_t>();
+    resp.prescale_factor = r.Get<double>();
+    resp.postscale_factor = r.Get<double>();
+    resp.sizes = r.GetInts();
+    resp.error = r.GetString();
+    list->responses.push_back(std::move(resp));
+  }
+  return r.ok() && r.done();
+}
+
+}  // namespace perseus

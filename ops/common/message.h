@@ -1,0 +1,70 @@
+// What ranks tell the coordinator (RequestList) and what it answers (ResponseList), and their
+// wire format. Transport-independent: the MPI and TCP controllers move these as opaque bytes.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace perseus {
+
+// The metadata of one CollectiveRequest: everything the coordinator validates, no buffers.
+struct RequestMeta {
+  std::string name;
+  CollectiveType type = CollectiveType::kAllreduce;
+  DataType dtype = DataType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kAverage;
+  int32_t root_rank = 0;
+  double prescale_factor = 1.0;
+  double postscale_factor = 1.0;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> splits;
+};
+
+// One rank's contribution to a negotiation round: its requests that arrived since the last one.
+struct RequestList {
+  std::vector<RequestMeta> requests;
+  bool shutting_down = false;
+};
+
+enum class ResponseType : uint8_t {
+  kAllreduce = 0,
+  kAllgather = 1,
+  kBroadcast = 2,
+  kAlltoall = 3,
+  kError = 4,     // fail `names` on every rank that has them, with `error`
+  kShutdown = 5,  // `error` names the ranks shutting down: fail everything pending, stop
+  kFatal = 6,     // the coordinator cannot go on: fail everything pending with `error`, stop
+};
+
+struct Response {
+  ResponseType type = ResponseType::kAllreduce;
+  std::vector<std::string> names;  // more than one only for a fused allreduce
+  DataType dtype = DataType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kAverage;
+  int32_t root_rank = 0;
+  double prescale_factor = 1.0;
+  double postscale_factor = 1.0;
+  // allgather: every rank's first dimension. alltoall: the size x size split matrix, row-major,
+  // sizes[sender * size + receiver] = rows sender sends to receiver.
+  std::vector<int64_t> sizes;
+  std::string error;
+};
+
+// The coordinator's answer to a round, executed by every rank in this order.
+struct ResponseList {
+  std::vector<Response> responses;
+  // Whether any rank announced anything or anything became ready: ranks still waiting then
+  // negotiate again at once, since what they wait for is likely on its way.
+  bool progress = false;
+};
+
+std::string Serialize(const RequestList& list);
+std::string Serialize(const ResponseList& list);
+// Both return false on truncated or malformed bytes.
+bool Deserialize(const std::string& bytes, RequestList* list);
+bool Deserialize(const std::string& bytes, ResponseList* list);
+
+}  // namespace perseus

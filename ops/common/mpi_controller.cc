@@ -1,0 +1,372 @@
+#include "mpi_controller.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstring>
+#include <thread>
+#include <type_traits>
+
+#include "reduce.h"
+
+namespace perseus {
+namespace {
+
+// Each rank's control message travels in one fixed-size slot of a single gather / broadcast;
+// only the part of a large message beyond it needs a second step.
+constexpr size_t kSlotBytes = 2048;
+constexpr size_t kHeaderBytes = sizeof(uint64_t);
+constexpr size_t kSlotPayload = kSlotBytes - kHeaderBytes;
+constexpr int kOverflowTag = 17;
+
+Status Check(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return Status::OK();
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(rc, text, &length);
+  return Status::Error(std::string("MPI error in ") + what + ": " + std::string(text, length));
+}
+
+template <typename Comm>
+Comm CommFromHandle(intptr_t handle) {
+  if constexpr (std::is_pointer<Comm>::value) {
+    return reinterpret_cast<Comm>(handle);  // Open MPI: MPI_Comm is a pointer
+  } else {
+    return static_cast<Comm>(handle);  // MPICH: an integer handle
+  }
+}
+
+template <DataType D, ReduceOp O>
+void UserReduce(void* in, void* inout, int* len, MPI_Datatype*) {
+  ReduceInto(D, O, in, inout, *len);
+}
+
+template <DataType D>
+std::array<MPI_User_function*, 4> UserFunctions() {
+  return {&UserReduce<D, ReduceOp::kSum>, &UserReduce<D, ReduceOp::kMin>,
+          &UserReduce<D, ReduceOp::kMax>, &UserReduce<D, ReduceOp::kProduct>};
+}
+
+size_t OpIndex(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kAverage:
+    case ReduceOp::kSum: return 0;
+    case ReduceOp::kMin: return 1;
+    case ReduceOp::kMax: return 2;
+    case ReduceOp::kProduct: return 3;
+  }
+  return 0;
+}
+
+// Counts and displacements for the v-collectives: in bytes when they fit MPI's int, otherwise in
+// units of a contiguous datatype of `unit_bytes` (freed on destruction).
+class VectorLayout {
+ public:
+  Status Build(const std::vector<int64_t>& counts, size_t unit_bytes) {
+    int64_t total_bytes = 0;
+    for (int64_t c : counts) total_bytes += c * static_cast<int64_t>(unit_bytes);
+    const bool bytes_fit = total_bytes <= INT_MAX;
+    const int64_t scale = bytes_fit ? static_cast<int64_t>(unit_bytes) : 1;
+    int64_t offset = 0;
+    for (int64_t c : counts) {
+      if (offset > INT_MAX || c * scale > INT_MAX) {
+        return Status::Error("perseus_legacy: a tensor is too large for MPI's int counts");
+      }
+      counts_.push_back(static_cast<int>(c * scale));
+      displs_.push_back(static_cast<int>(offset));
+      offset += c * scale;
+    }
+    type_ = MPI_BYTE;
+    if (!bytes_fit) {
+      Status s = Check(MPI_Type_contiguous(static_cast<int>(unit_bytes), MPI_BYTE, &type_),
+                       "MPI_Type_contiguous");
+      if (!s.ok()) return s;
+      derived_ = true;
+      return Check(MPI_Type_commit(&type_), "MPI_Type_commit");
+    }
+    return Status::OK();
+  }
+  ~VectorLayout() {
+    if (derived_) MPI_Type_free(&type_);
+  }
+  const int* counts() const { return counts_.data(); }
+  const int* displs() const { return displs_.data(); }
+  MPI_Datatype type() const { return type_; }
+
+ private:
+  std::vector<int> counts_, displs_;
+  MPI_Datatype type_ = MPI_BYTE;
+  bool derived_ = false;
+};
+
+}  // namespace
+
+MpiController::MpiController() {
+  half_ops_.fill(MPI_OP_NULL);
+  bfloat16_ops_.fill(MPI_OP_NULL);
+}
+
+Status MpiController::Create(intptr_t comm_handle, std::unique_ptr<Controller>* out) {
+  auto controller = std::make_unique<MpiController>();
+  Status s = controller->Setup(comm_handle);
+  if (s.ok()) *out = std::move(controller);
+  return s;
+}
+
+Status MpiController::Setup(intptr_t comm_handle) {
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (finalized) {
+    return Status::Error(
+        "perseus_legacy: MPI has already been finalized in this process: init() after "
+        "shutdown() is not supported when perseus_legacy started MPI itself (import mpi4py "
+        "before init() so that MPI outlives shutdown())");
+  }
+  if (!initialized) {
+    int provided = 0;
+    Status s = Check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
+                     "MPI_Init_thread");
+    if (!s.ok()) return s;
+    owns_mpi_ = true;
+  }
+  int provided = 0;
+  MPI_Query_thread(&provided);
+  threads_multiple_ = provided == MPI_THREAD_MULTIPLE;
+  // Our background thread makes every MPI call after init, so it needs at least SERIALIZED.
+  if (provided < MPI_THREAD_SERIALIZED) {
+    return Status::Error(
+        "perseus_legacy: MPI was initialized without thread support (level " +
+        std::to_string(provided) +
+        "); initialize it with MPI_Init_thread(MPI_THREAD_MULTIPLE), as mpi4py does by default");
+  }
+
+  MPI_Comm base = comm_handle == 0 ? MPI_COMM_WORLD : CommFromHandle<MPI_Comm>(comm_handle);
+  Status s = Check(MPI_Comm_dup(base, &control_), "MPI_Comm_dup");
+  if (s.ok()) s = Check(MPI_Comm_dup(base, &data_), "MPI_Comm_dup");
+  if (!s.ok()) return s;
+  // Errors become Status values that fail the pending requests instead of aborting the job.
+  MPI_Comm_set_errhandler(control_, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(data_, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(control_, &rank_);
+  MPI_Comm_size(control_, &size_);
+
+  s = Check(MPI_Comm_split_type(control_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),
+            "MPI_Comm_split_type");
+  if (!s.ok()) return s;
+  MPI_Comm_rank(local_, &local_rank_);
+  MPI_Comm_size(local_, &local_size_);
+  s = Check(MPI_Comm_split(control_, local_rank_, rank_, &cross_), "MPI_Comm_split");
+  if (!s.ok()) return s;
+  MPI_Comm_rank(cross_, &cross_rank_);
+  MPI_Comm_size(cross_, &cross_size_);
+
+  for (MPI_Datatype* type : {&half_type_, &bfloat16_type_}) {
+    s = Check(MPI_Type_contiguous(2, MPI_BYTE, type), "MPI_Type_contiguous");
+    if (s.ok()) s = Check(MPI_Type_commit(type), "MPI_Type_commit");
+    if (!s.ok()) return s;
+  }
+  const auto half_fns = UserFunctions<DataType::kFloat16>();
+  const auto bfloat16_fns = UserFunctions<DataType::kBFloat16>();
+  for (size_t i = 0; i < half_ops_.size(); ++i) {
+    s = Check(MPI_Op_create(half_fns[i], 1, &half_ops_[i]), "MPI_Op_create");
+    if (s.ok()) s = Check(MPI_Op_create(bfloat16_fns[i], 1, &bfloat16_ops_[i]), "MPI_Op_create");
+    if (!s.ok()) return s;
+  }
+
+  slot_.resize(kSlotBytes);
+  if (rank_ == 0) gather_slots_.resize(kSlotBytes * size_);
+  return Check(MPI_Barrier(control_), "MPI_Barrier");
+}
+
+MpiController::~MpiController() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (auto* ops : {&half_ops_, &bfloat16_ops_}) {
+    for (MPI_Op& op : *ops) {
+      if (op != MPI_OP_NULL) MPI_Op_free(&op);
+    }
+  }
+  for (MPI_Datatype* type : {&half_type_, &bfloat16_type_}) {
+    if (*type != MPI_DATATYPE_NULL) MPI_Type_free(type);
+  }
+  for (MPI_Comm* comm : {&cross_, &local_, &data_, &control_}) {
+    if (*comm != MPI_COMM_NULL) MPI_Comm_free(comm);
+  }
+  if (owns_mpi_) MPI_Finalize();
+}
+
+// Open MPI's blocking calls busy-poll a core. Ranks share few cores and a control-plane wait can
+// last until an idle rank's next heartbeat, so poll briefly, then yield, then sleep a fraction of
+// the time already waited (bounded, so a late arrival costs at most a few percent of the wait).
+Status MpiController::Wait(MPI_Request* request, const char* what) {
+  using std::chrono::microseconds;
+  const auto start = Clock::now();
+  while (true) {
+    int done = 0;
+    int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
+    if (rc != MPI_SUCCESS) return Check(rc, what);
+    if (done) return Status::OK();
+    const auto waited = std::chrono::duration_cast<microseconds>(Clock::now() - start);
+    if (waited < microseconds(20)) continue;
+    if (waited < microseconds(200)) {
+      std::this_thread::yield();
+      continue;
+    }
+    std::this_thread::sleep_for(std::clamp(waited / 16, microseconds(20), microseconds(250)));
+  }
+}
+
+Status MpiController::GatherToCoordinator(const std::string& mine,
+                                          std::vector<std::string>* all) {
+  const uint64_t length = mine.size();
+  std::memcpy(slot_.data(), &length, kHeaderBytes);
+  std::memcpy(slot_.data() + kHeaderBytes, mine.data(), std::min<size_t>(length, kSlotPayload));
+  MPI_Request request;
+  Status s = Check(MPI_Igather(slot_.data(), kSlotBytes, MPI_BYTE, gather_slots_.data(),
+                               kSlotBytes, MPI_BYTE, 0, control_, &request),
+                   "MPI_Igather");
+  if (s.ok()) s = Wait(&request, "MPI_Igather");
+  if (!s.ok()) return s;
+
+  if (rank_ != 0) {
+    if (length <= kSlotPayload) return Status::OK();
+    s = Check(MPI_Isend(mine.data() + kSlotPayload, static_cast<int>(length - kSlotPayload),
+                        MPI_BYTE, 0, kOverflowTag, control_, &request),
+              "MPI_Isend");
+    return s.ok() ? Wait(&request, "MPI_Isend") : s;
+  }
+
+  all->assign(size_, std::string());
+  std::vector<MPI_Request> overflow;
+  for (int r = 0; r < size_; ++r) {
+    const char* slot = gather_slots_.data() + kSlotBytes * r;
+    uint64_t n = 0;
+    std::memcpy(&n, slot, kHeaderBytes);
+    std::string& bytes = (*all)[r];
+    bytes.assign(slot + kHeaderBytes, std::min<size_t>(n, kSlotPayload));
+    if (n <= kSlotPayload) continue;
+    if (r == 0) {
+      bytes = mine;
+      continue;
+    }
+    bytes.resize(n);
+    overflow.emplace_back();
+    s = Check(MPI_Irecv(&bytes[kSlotPayload], static_cast<int>(n - kSlotPayload), MPI_BYTE, r,
+                        kOverflowTag, control_, &overflow.back()),
+              "MPI_Irecv");
+    if (!s.ok()) return s;
+  }
+  for (MPI_Request& r : overflow) {
+    s = Wait(&r, "MPI_Irecv");
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
+}
+
+Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
+  if (rank_ == 0) {
+    const uint64_t length = bytes->size();
+    std::memcpy(slot_.data(), &length, kHeaderBytes);
+    std::memcpy(slot_.data() + kHeaderBytes, bytes->data(),
+                std::min<size_t>(length, kSlotPayload));
+  }
+  MPI_Request request;
+  Status s = Check(MPI_Ibcast(slot_.data(), kSlotBytes, MPI_BYTE, 0, control_, &request),
+                   "MPI_Ibcast");
+  if (s.ok()) s = Wait(&request, "MPI_Ibcast");
+  if (!s.ok()) return s;
+  uint64_t length = 0;
+  std::memcpy(&length, slot_.data(), kHeaderBytes);
+  if (rank_ != 0) {
+    bytes->assign(slot_.data() + kHeaderBytes, std::min<size_t>(length, kSlotPayload));
+    bytes->resize(length);
+  }
+  if (length <= kSlotPayload) return Status::OK();
+  s = Check(MPI_Ibcast(&(*bytes)[kSlotPayload], static_cast<int>(length - kSlotPayload),
+                       MPI_BYTE, 0, control_, &request),
+            "MPI_Ibcast");
+  return s.ok() ? Wait(&request, "MPI_Ibcast") : s;
+}
+
+MPI_Datatype MpiController::Type(DataType dtype) const {
+  switch (dtype) {
+    case DataType::kFloat16: return half_type_;
+    case DataType::kBFloat16: return bfloat16_type_;
+    case DataType::kFloat32: return MPI_FLOAT;
+    case DataType::kFloat64: return MPI_DOUBLE;
+    case DataType::kInt32: return MPI_INT32_T;
+    case DataType::kInt64: return MPI_INT64_T;
+    case DataType::kUInt8: return MPI_UINT8_T;
+    case DataType::kInt8: return MPI_INT8_T;
+    case DataType::kBool: return MPI_BYTE;
+  }
+  return MPI_BYTE;
+}
+
+MPI_Op MpiController::Op(DataType dtype, ReduceOp op) const {
+  if (dtype == DataType::kFloat16) return half_ops_[OpIndex(op)];
+  if (dtype == DataType::kBFloat16) return bfloat16_ops_[OpIndex(op)];
+  switch (op) {
+    case ReduceOp::kAverage:
+    case ReduceOp::kSum: return MPI_SUM;
+    case ReduceOp::kMin: return MPI_MIN;
+    case ReduceOp::kMax: return MPI_MAX;
+    case ReduceOp::kProduct: return MPI_PROD;
+  }
+  return MPI_SUM;
+}
+
+Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataType dtype,
+                                ReduceOp op) {
+  const MPI_Datatype type = Type(dtype);
+  const MPI_Op mpi_op = Op(dtype, op);
+  const size_t item = DataTypeSize(dtype);
+  for (int64_t done = 0; done < count;) {
+    const int n = static_cast<int>(std::min<int64_t>(count - done, INT_MAX));
+    char* dst = static_cast<char*>(out) + done * item;
+    const void* src = in == out ? MPI_IN_PLACE : static_cast<const char*>(in) + done * item;
+    Status s = Check(MPI_Allreduce(src, dst, n, type, mpi_op, data_), "MPI_Allreduce");
+    if (!s.ok()) return s;
+    done += n;
+  }
+  return Status::OK();
+}
+
+Status MpiController::Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
+                                 size_t unit_bytes) {
+  VectorLayout layout;
+  Status s = layout.Build(counts, unit_bytes);
+  if (!s.ok()) return s;
+  return Check(MPI_Allgatherv(in, layout.counts()[rank_], layout.type(), out, layout.counts(),
+                              layout.displs(), layout.type(), data_),
+               "MPI_Allgatherv");
+}
+
+Status MpiController::Broadcast(void* data, int64_t bytes, int root) {
+  constexpr int64_t kChunk = int64_t{1} << 30;
+  for (int64_t done = 0; done < bytes; done += kChunk) {
+    const int n = static_cast<int>(std::min(bytes - done, kChunk));
+    Status s = Check(MPI_Bcast(static_cast<char*>(data) + done, n, MPI_BYTE, root, data_),
+                     "MPI_Bcast");
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
+}
+
+Status MpiController::Alltoallv(const void* in, const std::vector<int64_t>& send_counts,
+                                void* out, const std::vector<int64_t>& recv_counts,
+                                size_t unit_bytes) {
+  VectorLayout send, recv;
+  Status s = send.Build(send_counts, unit_bytes);
+  if (s.ok()) s = recv.Build(recv_counts, unit_bytes);
+  if (!s.ok()) return s;
+  return Check(MPI_Alltoallv(in, send.counts(), send.displs(), send.type(), out, recv.counts(),
+                             recv.displs(), recv.type(), data_),
+               "MPI_Alltoallv");
+}
+
+Status MpiController::Barrier() { return Check(MPI_Barrier(data_), "MPI_Barrier"); }
+
+}  // namespace perseus

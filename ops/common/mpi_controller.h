@@ -1,0 +1,74 @@
+// The Controller over MPI: control plane on one duplicated communicator (nonblocking, polled with
+// a backoff so a waiting rank does not hold a shared core), data plane on another.
+#pragma once
+
+#include <mpi.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "controller.h"
+
+namespace perseus {
+
+class MpiController : public Controller {
+ public:
+  MpiController();
+  // Initializes MPI when nobody has (and then finalizes it on destruction), duplicates the
+  // communicator `comm_handle` (0: MPI_COMM_WORLD) and waits for every rank. Collective.
+  static Status Create(intptr_t comm_handle, std::unique_ptr<Controller>* out);
+  ~MpiController() override;
+
+  MpiController(const MpiController&) = delete;
+  MpiController& operator=(const MpiController&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  int local_rank() const override { return local_rank_; }
+  int local_size() const override { return local_size_; }
+  int cross_rank() const override { return cross_rank_; }
+  int cross_size() const override { return cross_size_; }
+  bool threads_supported() const override { return threads_multiple_; }
+  std::string name() const override { return "mpi"; }
+
+  Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
+  Status BroadcastFromCoordinator(std::string* bytes) override;
+
+  Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
+                   ReduceOp op) override;
+  Status Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
+                    size_t unit_bytes) override;
+  Status Broadcast(void* data, int64_t bytes, int root) override;
+  Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
+                   const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
+  Status Barrier() override;
+
+ private:
+  Status Setup(intptr_t comm_handle);
+  Status Wait(MPI_Request* request, const char* what);
+  MPI_Datatype Type(DataType dtype) const;
+  MPI_Op Op(DataType dtype, ReduceOp op) const;
+
+  bool owns_mpi_ = false;
+  bool threads_multiple_ = false;
+  MPI_Comm control_ = MPI_COMM_NULL;
+  MPI_Comm data_ = MPI_COMM_NULL;
+  MPI_Comm local_ = MPI_COMM_NULL;
+  MPI_Comm cross_ = MPI_COMM_NULL;
+  int rank_ = -1, size_ = -1, local_rank_ = -1, local_size_ = -1;
+  int cross_rank_ = -1, cross_size_ = -1;
+
+  // float16 and bfloat16 travel as 2-byte MPI types reduced by our own functions.
+  MPI_Datatype half_type_ = MPI_DATATYPE_NULL;
+  MPI_Datatype bfloat16_type_ = MPI_DATATYPE_NULL;
+  std::array<MPI_Op, 4> half_ops_;  // Sum (also Average), Min, Max, Product
+  std::array<MPI_Op, 4> bfloat16_ops_;
+
+  std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
+  std::vector<char> slot_;
+};
+
+}  // namespace perseus

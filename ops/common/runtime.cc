@@ -1,0 +1,592 @@
+// The runtime's one state object and its background thread. The thread makes every transport
+// call: it negotiates rounds with the coordinator and executes the answers in order.
+#include "runtime.h"
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "controller.h"
+#include "fusion_buffer.h"
+#include "message.h"
+#include "mpi_controller.h"
+#include "reduce.h"
+
+namespace perseus {
+namespace {
+
+// How long an idle rank sleeps before joining a round anyway, so that a peer's shutdown and the
+// coordinator's stall checks never wait on a rank that has nothing to submit.
+constexpr auto kHeartbeat = std::chrono::seconds(1);
+
+// PERSEUS_* settings, read once by Init (defaults are in the README's table).
+struct Config {
+  int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
+  double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
+  double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
+  double stall_shutdown_secs = 0.0;                     // PERSEUS_STALL_SHUTDOWN_SECS
+};
+
+Status ReadNumber(const char* name, double* value) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return Status::OK();
+  char* end = nullptr;
+  errno = 0;
+  const double parsed = std::strtod(text, &end);
+  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(parsed) || parsed < 0) {
+    return Status::Error(std::string("perseus_legacy: ") + name + "=\"" + text +
+                         "\" is not a non-negative number");
+  }
+  *value = parsed;
+  return Status::OK();
+}
+
+Status ReadConfig(Config* config) {
+  double fusion = static_cast<double>(config->fusion_threshold_bytes);
+  Status s = ReadNumber("PERSEUS_FUSION_THRESHOLD", &fusion);
+  if (s.ok()) s = ReadNumber("PERSEUS_CYCLE_TIME", &config->cycle_time_ms);
+  if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &config->stall_warning_secs);
+  if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
+  config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
+  return s;
+}
+
+RequestMeta MetaOf(const CollectiveRequest& request) {
+  RequestMeta meta;
+  meta.name = request.name;
+  meta.type = request.type;
+  meta.dtype = request.dtype;
+  meta.reduce_op = request.reduce_op;
+  meta.root_rank = request.root_rank;
+  meta.prescale_factor = request.prescale_factor;
+  meta.postscale_factor = request.postscale_factor;
+  meta.shape = request.shape;
+  meta.splits = request.splits;
+  return meta;
+}
+
+std::string Quoted(const CollectiveRequest& request) {
+  return std::string(CollectiveTypeName(request.type)) + " \"" + request.name + "\"";
+}
+
+void CopyBytes(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+}
+
+class Runtime {
+ public:
+  ~Runtime() {
+    // Reached at process exit without shutdown(): the thread may still be inside the transport,
+    // so leave it and the controller alone rather than tear them down under it.
+    if (thread_.joinable()) {
+      thread_.detach();
+      static_cast<void>(controller_.release());
+    }
+  }
+
+  Status Init(intptr_t comm_handle);
+  void Shutdown();
+  std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
+
+  bool initialized() const { return initialized_.load(); }
+  int rank() const { return rank_.load(); }
+  int size() const { return size_.load(); }
+  int local_rank() const { return local_rank_.load(); }
+  int local_size() const { return local_size_.load(); }
+  int cross_rank() const { return cross_rank_.load(); }
+  int cross_size() const { return cross_size_.load(); }
+  bool threads_supported() const { return threads_supported_.load(); }
+  std::string controller_name() const { return "mpi"; }
+
+ private:
+  using MessageFor = std::function<std::string(const std::string& name)>;
+
+  Status CheckRequest(const CollectiveRequest& request) const;
+  Status AdmitLocked(CollectiveRequest& request);
+  void Loop();
+  bool RunRound(const RequestList& mine, bool* progressed);
+  bool Execute(const Response& response);
+  // Each returns the transport's status (a failure stops the runtime). Those that ask the
+  // framework for an output set `op` to the status the request completes with.
+  Status RunAllreduce(const Response& response, const std::vector<CollectiveRequest*>& entries);
+  Status RunAllgather(const Response& response, CollectiveRequest& entry, Status* op);
+  Status RunBroadcast(const Response& response, CollectiveRequest& entry);
+  Status RunAlltoall(const Response& response, CollectiveRequest& entry, Status* op);
+  void* Scratch(size_t bytes, Status* op, Status* comm);
+  void Complete(const std::vector<std::string>& names, const Status& status);
+  void Stop(const std::string& reason, const MessageFor& message_for);
+  void Log(const std::string& text) const;
+
+  std::mutex init_mu_;  // serializes Init and Shutdown
+  std::atomic<bool> initialized_{false};
+  std::atomic<int> rank_{-1}, size_{-1}, local_rank_{-1}, local_size_{-1};
+  std::atomic<int> cross_rank_{-1}, cross_size_{-1};
+  std::atomic<bool> threads_supported_{false};
+  Config config_;
+  std::unique_ptr<Controller> controller_;
+  std::thread thread_;
+
+  // Shared between Enqueue callers and the background thread.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<CollectiveRequest> queue_;          // arrived, not yet announced
+  std::unordered_set<std::string> pending_names_;  // queued or announced, not yet done
+  bool shutdown_requested_ = false;
+  std::string stopped_reason_;  // set once the background thread has stopped for good
+
+  // Background thread only.
+  std::unordered_map<std::string, CollectiveRequest> announced_;
+  std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
+  FusionBuffer fusion_;
+};
+
+Runtime& State() {
+  static Runtime state;
+  return state;
+}
+
+Status Runtime::Init(intptr_t comm_handle) {
+  std::lock_guard<std::mutex> init_lock(init_mu_);
+  if (initialized_) return Status::OK();
+  Config config;
+  Status s = ReadConfig(&config);
+  if (!s.ok()) return s;
+  std::unique_ptr<Controller> controller;
+  s = MpiController::Create(comm_handle, &controller);
+  if (!s.ok()) return s;
+
+  config_ = config;
+  controller_ = std::move(controller);
+  rank_ = controller_->rank();
+  size_ = controller_->size();
+  local_rank_ = controller_->local_rank();
+  local_size_ = controller_->local_size();
+  cross_rank_ = controller_->cross_rank();
+  cross_size_ = controller_->cross_size();
+  threads_supported_ = controller_->threads_supported();
+  coordinator_.reset();
+  if (rank_ == 0) {
+    CoordinatorOptions options;
+    options.size = size_;
+    options.fusion_threshold_bytes = config_.fusion_threshold_bytes;
+    options.stall_warning_secs = config_.stall_warning_secs;
+    options.stall_shutdown_secs = config_.stall_shutdown_secs;
+    coordinator_ = std::make_unique<Coordinator>(options);
+  }
+  announced_.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.clear();
+    pending_names_.clear();
+    shutdown_requested_ = false;
+    stopped_reason_.clear();
+  }
+  thread_ = std::thread(&Runtime::Loop, this);
+  initialized_ = true;
+  return Status::OK();
+}
+
+void Runtime::Shutdown() {
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    // Called from a done callback: the thread cannot join itself. Ask it to stop; the next
+    // Shutdown() from another thread (at the latest the one at exit) finishes the job.
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_requested_ = true;
+    return;
+  }
+  std::lock_guard<std::mutex> init_lock(init_mu_);
+  if (!initialized_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_requested_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  initialized_ = false;
+  for (auto* value : {&rank_, &size_, &local_rank_, &local_size_, &cross_rank_, &cross_size_}) {
+    *value = -1;
+  }
+  threads_supported_ = false;
+  coordinator_.reset();
+  controller_.reset();  // frees the communicators; finalizes MPI if Init started it
+}
+
+Status Runtime::CheckRequest(const CollectiveRequest& request) const {
+  if (!initialized_) {
+    return Status::Error("perseus_legacy has not been initialized: call perseus_legacy.init() "
+                         "before " + Quoted(request));
+  }
+  if (request.name.empty()) {
+    return Status::Error(std::string("perseus_legacy: ") + CollectiveTypeName(request.type) +
+                         " needs a non-empty name, identical on every rank");
+  }
+  if (!request.done) {
+    return Status::Error("perseus_legacy: " + Quoted(request) + " has no done callback");
+  }
+  const bool allocates = request.type == CollectiveType::kAllgather ||
+                         request.type == CollectiveType::kAlltoall;
+  if (allocates && !request.allocate_output) {
+    return Status::Error("perseus_legacy: " + Quoted(request) + " has no output allocator");
+  }
+  return Status::OK();
+}
+
+Status Runtime::AdmitLocked(CollectiveRequest& request) {
+  if (!stopped_reason_.empty()) {
+    return Status::Error("perseus_legacy: cannot run " + Quoted(request) + ": " +
+                         stopped_reason_);
+  }
+  if (shutdown_requested_) {
+    return Status::Error("perseus_legacy: cannot run " + Quoted(request) +
+                         ": shutdown() was called on this rank");
+  }
+  if (!pending_names_.insert(request.name).second) {
+    return Status::Error("perseus_legacy: " + Quoted(request) + ": a collective named \"" +
+                         request.name + "\" is already pending on rank " +
+                         std::to_string(rank_) +
+                         "; names must be unique among the collectives in flight");
+  }
+  queue_.push_back(std::move(request));
+  return Status::OK();
+}
+
+std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests) {
+  std::vector<Status> statuses;
+  statuses.reserve(requests.size());
+  bool admitted = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (CollectiveRequest& request : requests) {
+      Status s = CheckRequest(request);
+      if (s.ok()) s = AdmitLocked(request);
+      admitted = admitted || s.ok();
+      statuses.push_back(std::move(s));
+    }
+  }
+  if (admitted) cv_.notify_one();
+  return statuses;
+}
+
+void Runtime::Loop() {
+  const auto cycle = std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
+  bool last_round_progressed = false;
+  while (true) {
+    RequestList mine;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto has_news = [this] { return !queue_.empty() || shutdown_requested_; };
+      // Idle ranks sleep until an arrival (negotiated at once: a lone request must not wait a
+      // cycle) or the heartbeat. Ranks with requests outstanding keep joining rounds, since the
+      // other ranks' submissions arrive only through rounds: at once after a round in which
+      // something happened (the rest of a burst is likely on its way, and a rank that arrives
+      // late must not then wait a cycle for the ranks that were early), otherwise paced by the
+      // cycle time, which also batches the arrivals in between into one round.
+      if (!has_news()) {
+        if (announced_.empty()) {
+          cv_.wait_for(lock, kHeartbeat, has_news);
+        } else if (!last_round_progressed) {
+          cv_.wait_for(lock, cycle, has_news);
+        }
+      }
+      for (CollectiveRequest& request : queue_) {
+        mine.requests.push_back(MetaOf(request));
+        std::string name = request.name;
+        announced_.emplace(std::move(name), std::move(request));
+      }
+      queue_.clear();
+      mine.shutting_down = shutdown_requested_;
+    }
+    if (!RunRound(mine, &last_round_progressed)) return;
+  }
+}
+
+bool Runtime::RunRound(const RequestList& mine, bool* progressed) {
+  std::vector<std::string> gathered;
+  Status s = controller_->GatherToCoordinator(Serialize(mine), &gathered);
+  std::string answer;
+  if (s.ok() && coordinator_) {
+    const auto now = Clock::now();
+    ResponseList plan;
+    for (int r = 0; r < size_; ++r) {
+      RequestList list;
+      if (!Deserialize(gathered[r], &list)) {
+        Response fatal;
+        fatal.type = ResponseType::kFatal;
+        fatal.error = "perseus_legacy: the coordinator received a malformed message from rank " +
+                      std::to_string(r);
+        plan.responses = {fatal};
+        break;
+      }
+      coordinator_->Add(r, list, now);
+    }
+    if (plan.responses.empty()) {
+      std::string warning;
+      plan = coordinator_->Plan(now, &warning);
+      if (!warning.empty()) Log(warning);
+    }
+    answer = Serialize(plan);
+  }
+  if (s.ok()) s = controller_->BroadcastFromCoordinator(&answer);
+  ResponseList plan;
+  if (s.ok() && !Deserialize(answer, &plan)) {
+    s = Status::Error("malformed answer from the coordinator");
+  }
+  if (!s.ok()) {
+    const std::string reason = "communication failed on rank " + std::to_string(rank_) +
+                               " while negotiating: " + s.message();
+    Stop(reason, [&](const std::string& name) {
+      return "perseus_legacy: \"" + name + "\" failed: " + reason;
+    });
+    return false;
+  }
+
+  *progressed = plan.progress;
+  for (const Response& response : plan.responses) {
+    switch (response.type) {
+      case ResponseType::kShutdown: {
+        const std::string who = response.error;
+        Stop(who + " shut down (it exited or called shutdown()); no collective can run after "
+                   "that",
+             [&](const std::string& name) {
+               return "perseus_legacy: " + who + " shut down while \"" + name +
+                      "\" was pending on this rank (it exited or called shutdown())";
+             });
+        return false;
+      }
+      case ResponseType::kFatal:
+        Stop(response.error, [&](const std::string&) { return response.error; });
+        return false;
+      case ResponseType::kError: {
+        std::vector<std::string> mine_failed;
+        for (const std::string& name : response.names) {
+          if (announced_.count(name)) mine_failed.push_back(name);
+        }
+        Complete(mine_failed, Status::Error(response.error));
+        break;
+      }
+      default:
+        if (!Execute(response)) return false;
+    }
+  }
+  return true;
+}
+
+bool Runtime::Execute(const Response& response) {
+  std::vector<CollectiveRequest*> entries;
+  for (const std::string& name : response.names) {
+    auto it = announced_.find(name);
+    if (it == announced_.end()) {
+      const std::string reason = "internal error: the coordinator scheduled \"" + name +
+                                 "\", which rank " + std::to_string(rank_) + " never submitted";
+      Stop(reason, [&](const std::string&) { return "perseus_legacy: " + reason; });
+      return false;
+    }
+    entries.push_back(&it->second);
+  }
+
+  Status op, comm;
+  switch (response.type) {
+    case ResponseType::kAllreduce: comm = RunAllreduce(response, entries); break;
+    case ResponseType::kAllgather: comm = RunAllgather(response, *entries.front(), &op); break;
+    case ResponseType::kBroadcast: comm = RunBroadcast(response, *entries.front()); break;
+    case ResponseType::kAlltoall: comm = RunAlltoall(response, *entries.front(), &op); break;
+    default: comm = Status::Error("unknown response type");
+  }
+  if (!comm.ok()) {
+    const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
+                               comm.message();
+    Stop(reason, [&](const std::string& name) {
+      return "perseus_legacy: \"" + name + "\" failed: " + reason;
+    });
+    return false;
+  }
+  Complete(response.names, op);
+  return true;
+}
+
+Status Runtime::RunAllreduce(const Response& response,
+                             const std::vector<CollectiveRequest*>& entries) {
+  const DataType dtype = response.dtype;
+  const size_t item = DataTypeSize(dtype);
+  // Average is a Sum followed by a division: folded into the postscale for floating point;
+  // integers divide exactly afterwards (truncating toward zero, like C).
+  const bool integer_average =
+      response.reduce_op == ReduceOp::kAverage && IsIntegerType(dtype);
+  double postscale = response.postscale_factor;
+  if (response.reduce_op == ReduceOp::kAverage && !integer_average) postscale /= size_;
+  const double prescale = response.prescale_factor;
+  auto finish = [&](void* data, int64_t count) {
+    if (integer_average) DivideIntegers(dtype, data, count, size_);
+    if (postscale != 1.0) ScaleBuffer(dtype, data, data, count, postscale);
+  };
+
+  if (entries.size() == 1) {
+    // MPI reads the op's input and writes its output directly: no staging copy.
+    CollectiveRequest& e = *entries.front();
+    const int64_t count = NumElements(e.shape);
+    if (count == 0) return Status::OK();
+    const void* src = e.input;
+    if (prescale != 1.0) {
+      ScaleBuffer(dtype, e.input, e.output, count, prescale);
+      src = e.output;
+    }
+    Status s = controller_->Allreduce(src, e.output, count, dtype, response.reduce_op);
+    if (s.ok()) finish(e.output, count);
+    return s;
+  }
+
+  int64_t total = 0;
+  for (const CollectiveRequest* e : entries) total += NumElements(e->shape);
+  char* buffer = static_cast<char*>(fusion_.Get(total * item));
+  if (buffer == nullptr) {
+    return Status::Error("out of memory for a " + std::to_string(total * item) +
+                         "-byte fusion buffer");
+  }
+  int64_t offset = 0;
+  for (const CollectiveRequest* e : entries) {
+    const int64_t count = NumElements(e->shape);
+    if (prescale != 1.0) {
+      ScaleBuffer(dtype, e->input, buffer + offset * item, count, prescale);
+    } else {
+      CopyBytes(buffer + offset * item, e->input, count * item);
+    }
+    offset += count;
+  }
+  Status s = controller_->Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+  if (!s.ok()) return s;
+  finish(buffer, total);
+  offset = 0;
+  for (CollectiveRequest* e : entries) {
+    const int64_t count = NumElements(e->shape);
+    CopyBytes(e->output, buffer + offset * item, count * item);
+    offset += count;
+  }
+  return Status::OK();
+}
+
+// Where to receive when the framework could not allocate an output: this rank must still take
+// part in the collective, or every other rank would wait for it forever.
+void* Runtime::Scratch(size_t bytes, Status* op, Status* comm) {
+  void* scratch = fusion_.Get(bytes);
+  if (scratch == nullptr) {
+    *comm = Status::Error("out of memory for " + std::to_string(bytes) + " bytes after: " +
+                          op->message());
+  }
+  return scratch;
+}
+
+Status Runtime::RunAllgather(const Response& response, CollectiveRequest& e, Status* op) {
+  std::vector<int64_t> out_shape = e.shape;
+  out_shape[0] = 0;
+  for (int64_t rows : response.sizes) out_shape[0] += rows;
+  const size_t row_bytes = NumElements(std::vector<int64_t>(e.shape.begin() + 1, e.shape.end())) *
+                           DataTypeSize(response.dtype);
+  const size_t total_bytes = out_shape[0] * row_bytes;
+  void* out = nullptr;
+  *op = e.allocate_output(out_shape, &out);
+  Status comm;
+  if (!op->ok()) out = Scratch(total_bytes, op, &comm);
+  if (!comm.ok() || total_bytes == 0) return comm;
+  return controller_->Allgatherv(e.input, out, response.sizes, row_bytes);
+}
+
+Status Runtime::RunBroadcast(const Response& response, CollectiveRequest& e) {
+  const int64_t bytes = NumElements(e.shape) * DataTypeSize(response.dtype);
+  if (rank_ == response.root_rank) CopyBytes(e.output, e.input, bytes);
+  if (bytes == 0) return Status::OK();
+  return controller_->Broadcast(e.output, bytes, response.root_rank);
+}
+
+Status Runtime::RunAlltoall(const Response& response, CollectiveRequest& e, Status* op) {
+  const int size = size_;
+  const int me = rank_;
+  std::vector<int64_t> send(size), recv(size);
+  int64_t all_rows = 0;
+  for (int r = 0; r < size; ++r) {
+    send[r] = response.sizes[static_cast<size_t>(me) * size + r];
+    recv[r] = response.sizes[static_cast<size_t>(r) * size + me];
+    for (int to = 0; to < size; ++to) {
+      all_rows += response.sizes[static_cast<size_t>(r) * size + to];
+    }
+  }
+  std::vector<int64_t> out_shape = e.shape;
+  out_shape[0] = 0;
+  for (int64_t rows : recv) out_shape[0] += rows;
+  const size_t row_bytes = NumElements(std::vector<int64_t>(e.shape.begin() + 1, e.shape.end())) *
+                           DataTypeSize(response.dtype);
+  void* out = nullptr;
+  *op = e.allocate_output(out_shape, &out);
+  Status comm;
+  if (!op->ok()) out = Scratch(out_shape[0] * row_bytes, op, &comm);
+  if (op->ok() && e.received_splits != nullptr) *e.received_splits = recv;
+  // Every rank knows the whole matrix, so all of them skip an empty exchange together.
+  if (!comm.ok() || all_rows * row_bytes == 0) return comm;
+  return controller_->Alltoallv(e.input, send, out, recv, row_bytes);
+}
+
+void Runtime::Complete(const std::vector<std::string>& names, const Status& status) {
+  {
+    // Released before `done` runs, so a callback may submit the same name again at once.
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const std::string& name : names) pending_names_.erase(name);
+  }
+  for (const std::string& name : names) {
+    auto node = announced_.extract(name);
+    if (!node.empty()) node.mapped().done(status);
+  }
+}
+
+void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
+  std::deque<CollectiveRequest> queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_reason_ = reason;
+    queued.swap(queue_);
+    pending_names_.clear();
+  }
+  for (auto& [name, request] : announced_) request.done(Status::Error(message_for(name)));
+  announced_.clear();
+  for (CollectiveRequest& request : queued) request.done(Status::Error(message_for(request.name)));
+}
+
+void Runtime::Log(const std::string& text) const {
+  std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank_.load(), text.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+Status Init(intptr_t mpi_comm_handle) { return State().Init(mpi_comm_handle); }
+void Shutdown() { State().Shutdown(); }
+bool IsInitialized() { return State().initialized(); }
+int Rank() { return State().rank(); }
+int Size() { return State().size(); }
+int LocalRank() { return State().local_rank(); }
+int LocalSize() { return State().local_size(); }
+int CrossRank() { return State().cross_rank(); }
+int CrossSize() { return State().cross_size(); }
+bool MpiThreadsSupported() { return State().threads_supported(); }
+bool MpiBuilt() { return true; }
+std::string ControllerName() { return State().controller_name(); }
+Status Enqueue(CollectiveRequest request) {
+  std::vector<CollectiveRequest> one;
+  one.push_back(std::move(request));
+  return State().EnqueueAll(std::move(one)).front();
+}
+std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
+  return State().EnqueueAll(std::move(requests));
+}
+
+}  // namespace perseus

@@ -1,0 +1,50 @@
+// The public face of the runtime: what framework glue (ops/tensorflow, ops/python) may call.
+// Everything here is thread safe. Built into libperseus_common.so, shared by every glue module
+// loaded in the process, so there is exactly one runtime state per process.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace perseus {
+
+// Starts the background thread and the controller. `mpi_comm_handle` is an MPI_Comm (as an
+// integer, e.g. from mpi4py's MPI._handleof(comm)) or 0 for MPI_COMM_WORLD. Calling Init again
+// while initialized is a no-op returning OK. Blocks until every rank has initialized.
+// Reads the PERSEUS_* settings (FUSION_THRESHOLD bytes, default 64 MiB; CYCLE_TIME ms, 1.0;
+// STALL_WARNING_SECS, 60; STALL_SHUTDOWN_SECS, 0 = never) on each call that initializes.
+// Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
+// first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
+Status Init(intptr_t mpi_comm_handle);
+
+// Stops the background thread; pending and later requests fail with a shutdown error on every
+// rank. Safe to call more than once, and when never initialized.
+void Shutdown();
+
+bool IsInitialized();
+
+// Each of these returns -1 when not initialized.
+int Rank();
+int Size();
+int LocalRank();
+int LocalSize();
+int CrossRank();
+int CrossSize();
+
+bool MpiThreadsSupported();
+bool MpiBuilt();  // always true today; TCP/NCCL report their own
+std::string ControllerName();  // "mpi"
+
+// Hands a request to the background thread; never blocks on communication.
+// Returns an error (and does not call done) if the runtime is not initialized or has shut down,
+// or if a request with the same name is already pending on this rank.
+Status Enqueue(CollectiveRequest request);
+
+// Enqueue for several requests with a single wake-up of the background thread (grouped ops).
+// Element i is what Enqueue would have returned for requests[i].
+std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
+
+}  // namespace perseus

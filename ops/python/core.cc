@@ -1,0 +1,310 @@
+// pybind11 module perseus_legacy._core: the runtime's process-group calls and numpy collectives.
+// Collectives release the GIL while they wait, so other Python threads (and other ranks'
+// submission orders) are never blocked by one waiting call.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/common.h"
+#include "common/runtime.h"
+
+namespace py = pybind11;
+
+namespace perseus {
+namespace {
+
+// Completed by the runtime's thread, request by request; waited on by the calling thread, which
+// wakes once, when all are done.
+class Completion {
+ public:
+  explicit Completion(size_t count) : remaining_(count), statuses_(count) {}
+  void Set(size_t index, const Status& status) {
+    std::lock_guard<std::mutex> lock(mu_);
+    statuses_[index] = status;
+    if (--remaining_ == 0) cv_.notify_all();
+  }
+  // The first error in request order, or OK.
+  Status Wait() {
+    // No spinning here: with ranks sharing cores, a polling waiter measurably slowed 1 MiB
+    // allreduces (it competes with the MPI progress of its own and the other ranks).
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [this] { return remaining_ == 0; });
+    for (const Status& s : statuses_) {
+      if (!s.ok()) return s;
+    }
+    return Status::OK();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t remaining_;  // guarded by mu_
+  std::vector<Status> statuses_;
+};
+
+// Output of an allgather/alltoall, sized by the runtime's thread, which must not touch Python.
+struct GrownOutput {
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> bytes;
+};
+
+const std::pair<const char*, DataType> kDtypes[] = {
+    {"float16", DataType::kFloat16}, {"bfloat16", DataType::kBFloat16},
+    {"float32", DataType::kFloat32}, {"float64", DataType::kFloat64},
+    {"int32", DataType::kInt32},     {"int64", DataType::kInt64},
+    {"uint8", DataType::kUInt8},     {"int8", DataType::kInt8},
+    {"bool", DataType::kBool},
+};
+
+void RequireInitialized(const char* what) {
+  if (!IsInitialized()) {
+    throw py::value_error(std::string("perseus_legacy has not been initialized: call "
+                                      "perseus_legacy.init() before ") + what + "().");
+  }
+}
+
+py::array Contiguous(const py::object& value) {
+  auto array = py::array::ensure(value, py::array::c_style);
+  if (!array) throw py::error_already_set();
+  return array;
+}
+
+DataType DtypeOf(const py::array& array, const char* what) {
+  const std::string name = py::str(array.dtype().attr("name"));
+  for (const auto& [known, dtype] : kDtypes) {
+    if (name == known) return dtype;
+  }
+  throw py::type_error(std::string("perseus_legacy.") + what + ": unsupported dtype " + name +
+                       "; supported: float16, bfloat16, float32, float64, int32, int64, uint8, "
+                       "int8, bool");
+}
+
+std::vector<int64_t> ShapeOf(const py::array& array) {
+  return std::vector<int64_t>(array.shape(), array.shape() + array.ndim());
+}
+
+CollectiveRequest MakeRequest(const py::array& input, const std::string& name,
+                              CollectiveType type, const char* what) {
+  CollectiveRequest request;
+  request.name = name;
+  request.type = type;
+  request.dtype = DtypeOf(input, what);
+  request.shape = ShapeOf(input);
+  request.input = input.data();
+  return request;
+}
+
+void ExpectOutput(CollectiveRequest* request, const std::shared_ptr<GrownOutput>& out) {
+  const size_t item = DataTypeSize(request->dtype);
+  request->allocate_output = [out, item](const std::vector<int64_t>& shape, void** data) {
+    const size_t bytes = static_cast<size_t>(NumElements(shape)) * item;
+    try {
+      out->bytes.resize(bytes);
+    } catch (const std::bad_alloc&) {  // runs on the runtime's thread: report, do not throw
+      return Status::Error("perseus_legacy: cannot allocate " + std::to_string(bytes) +
+                           " bytes for the output");
+    }
+    out->shape = shape;
+    *data = out->bytes.data();
+    return Status::OK();
+  };
+}
+
+// Hands the bytes to numpy without a copy: the array's base owns them.
+py::array ToArray(const py::dtype& dtype, GrownOutput& out) {
+  auto owner = std::make_unique<std::vector<uint8_t>>(std::move(out.bytes));
+  void* data = owner->data();
+  py::capsule base(owner.get(), [](void* p) { delete static_cast<std::vector<uint8_t>*>(p); });
+  owner.release();
+  return py::array(dtype, out.shape, data, base);
+}
+
+// Submits every request at once, then waits for all that were accepted (their buffers must
+// outlive them); raises the first error in request order.
+void SubmitAndWait(std::vector<CollectiveRequest> requests) {
+  Status status;
+  {
+    py::gil_scoped_release release;
+    auto completion = std::make_shared<Completion>(requests.size());
+    for (size_t i = 0; i < requests.size(); ++i) {
+      requests[i].done = [completion, i](const Status& s) { completion->Set(i, s); };
+    }
+    std::vector<Status> admitted = EnqueueAll(std::move(requests));
+    for (size_t i = 0; i < admitted.size(); ++i) {
+      if (!admitted[i].ok()) completion->Set(i, admitted[i]);  // refused: done never runs
+    }
+    status = completion->Wait();
+  }
+  if (!status.ok()) throw std::runtime_error(status.message());
+}
+
+ReduceOp CheckedOp(int op) {
+  if (op < 0 || op > static_cast<int>(ReduceOp::kProduct)) {
+    throw py::value_error("perseus_legacy: op must be Average(0), Sum(1), Min(2), Max(3) or "
+                          "Product(4), got " + std::to_string(op));
+  }
+  return static_cast<ReduceOp>(op);
+}
+
+CollectiveRequest AllreduceRequest(const py::array& input, py::array& output,
+                                   const std::string& name, ReduceOp op, double prescale,
+                                   double postscale) {
+  CollectiveRequest request = MakeRequest(input, name, CollectiveType::kAllreduce, "allreduce");
+  if (request.dtype == DataType::kBool) {
+    throw py::value_error("perseus_legacy.allreduce: bool arrays cannot be reduced (\"" + name +
+                          "\"); cast to an integer dtype first");
+  }
+  request.reduce_op = op;
+  request.prescale_factor = prescale;
+  request.postscale_factor = postscale;
+  request.output = output.mutable_data();
+  return request;
+}
+
+py::array Allreduce(const py::object& value, const std::string& name, int op, double prescale,
+                    double postscale) {
+  RequireInitialized("allreduce");
+  py::array input = Contiguous(value);
+  py::array output(input.dtype(), ShapeOf(input));
+  std::vector<CollectiveRequest> requests;
+  requests.push_back(AllreduceRequest(input, output, name, CheckedOp(op), prescale, postscale));
+  SubmitAndWait(std::move(requests));
+  return output;
+}
+
+py::list GroupedAllreduce(const py::list& values, const std::vector<std::string>& names, int op,
+                          double prescale, double postscale) {
+  RequireInitialized("grouped_allreduce");
+  if (values.size() != names.size()) {
+    throw py::value_error("perseus_legacy.grouped_allreduce: " + std::to_string(values.size()) +
+                          " arrays but " + std::to_string(names.size()) + " names");
+  }
+  const ReduceOp reduce_op = CheckedOp(op);
+  std::vector<py::array> inputs, outputs;
+  std::vector<CollectiveRequest> requests;
+  for (size_t i = 0; i < names.size(); ++i) {
+    inputs.push_back(Contiguous(values[i]));
+    outputs.emplace_back(inputs.back().dtype(), ShapeOf(inputs.back()));
+    requests.push_back(
+        AllreduceRequest(inputs.back(), outputs.back(), names[i], reduce_op, prescale, postscale));
+  }
+  SubmitAndWait(std::move(requests));
+  py::list result;
+  for (py::array& out : outputs) result.append(out);
+  return result;
+}
+
+py::array Allgather(const py::object& value, const std::string& name) {
+  RequireInitialized("allgather");
+  py::array input = Contiguous(value);
+  CollectiveRequest request = MakeRequest(input, name, CollectiveType::kAllgather, "allgather");
+  auto out = std::make_shared<GrownOutput>();
+  ExpectOutput(&request, out);
+  std::vector<CollectiveRequest> requests;
+  requests.push_back(std::move(request));
+  SubmitAndWait(std::move(requests));
+  return ToArray(input.dtype(), *out);
+}
+
+py::array Broadcast(const py::object& value, int root_rank, const std::string& name) {
+  RequireInitialized("broadcast");
+  py::array input = Contiguous(value);
+  py::array output(input.dtype(), ShapeOf(input));
+  CollectiveRequest request = MakeRequest(input, name, CollectiveType::kBroadcast, "broadcast");
+  request.root_rank = root_rank;
+  request.output = output.mutable_data();
+  std::vector<CollectiveRequest> requests;
+  requests.push_back(std::move(request));
+  SubmitAndWait(std::move(requests));
+  return output;
+}
+
+py::tuple Alltoall(const py::object& value, const std::string& name,
+                   const std::optional<std::vector<int64_t>>& splits) {
+  RequireInitialized("alltoall");
+  py::array input = Contiguous(value);
+  CollectiveRequest request = MakeRequest(input, name, CollectiveType::kAlltoall, "alltoall");
+  if (splits) request.splits = *splits;
+  auto out = std::make_shared<GrownOutput>();
+  ExpectOutput(&request, out);
+  auto received = std::make_shared<std::vector<int64_t>>();
+  request.received_splits = received.get();
+  std::vector<CollectiveRequest> requests;
+  requests.push_back(std::move(request));
+  SubmitAndWait(std::move(requests));
+  py::array_t<int64_t> received_splits(static_cast<py::ssize_t>(received->size()));
+  std::copy(received->begin(), received->end(), received_splits.mutable_data());
+  return py::make_tuple(ToArray(input.dtype(), *out), received_splits);
+}
+
+}  // namespace
+}  // namespace perseus
+
+PYBIND11_MODULE(_core, m) {
+  using namespace perseus;
+  m.doc() = "perseus_legacy native core: process group and numpy collectives";
+
+  m.def(
+      "init",
+      [](intptr_t comm_handle) {
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = Init(comm_handle);
+        }
+        if (!s.ok()) throw std::runtime_error(s.message());
+      },
+      py::arg("comm_handle") = 0,
+      "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given.");
+  m.def("shutdown", &Shutdown, py::call_guard<py::gil_scoped_release>(),
+        "Leaves the process group; pending and later collectives fail on every rank.");
+  m.def("is_initialized", &IsInitialized);
+  m.def("rank", &Rank, "This process's rank, or -1 before init().");
+  m.def("size", &Size, "Number of ranks, or -1 before init().");
+  m.def("local_rank", &LocalRank, "Rank among this host's processes, or -1 before init().");
+  m.def("local_size", &LocalSize, "Number of ranks on this host, or -1 before init().");
+  m.def("cross_rank", &CrossRank, "Index of this host, or -1 before init().");
+  m.def("cross_size", &CrossSize, "Number of hosts, or -1 before init().");
+  m.def("mpi_threads_supported", &MpiThreadsSupported);
+  m.def("build_info", [] {
+    py::dict info;
+    info["mpi"] = MpiBuilt();
+    info["tcp"] = false;
+    info["nccl"] = false;
+    info["controller"] = ControllerName();
+    return info;
+  });
+
+  m.def("allreduce", &Allreduce, py::arg("array"), py::arg("name"), py::arg("op") = 0,
+        py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
+        "Reduces `array` over all ranks (op: Average=0, Sum=1, Min=2, Max=3, Product=4).");
+  m.def("grouped_allreduce", &GroupedAllreduce, py::arg("arrays"), py::arg("names"),
+        py::arg("op") = 0, py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
+        "Submits every allreduce, then waits for all: they may be fused into one.");
+  m.def("allgather", &Allgather, py::arg("array"), py::arg("name"),
+        "Concatenates every rank's array along the first dimension (which may differ).");
+  m.def("broadcast", &Broadcast, py::arg("array"), py::arg("root_rank"), py::arg("name"),
+        "Returns root_rank's array on every rank.");
+  m.def("alltoall", &Alltoall, py::arg("array"), py::arg("name"),
+        py::arg("splits") = py::none(),
+        "Sends splits[r] rows to rank r (default: equal parts); returns (rows received, "
+        "received_splits).");
+
+  // Leaving the group at interpreter exit lets the other ranks fail fast instead of waiting.
+  py::module_::import("atexit").attr("register")(
+      py::cpp_function([] {
+        py::gil_scoped_release release;
+        Shutdown();
+      }));
+}

@@ -1,0 +1,129 @@
+"""`python -m perseus_legacy`: what this installation has, one section per line; never crashes."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import importlib.util
+import os
+import platform
+import sys
+import traceback
+from typing import Any, Callable
+
+
+def _section(title: str, probe: Callable[[], Any]) -> None:
+    try:
+        result = probe()
+    except Exception as exc:  # a failing probe is part of the report
+        result = f"unavailable: {type(exc).__name__}: {exc}"
+    if isinstance(result, dict):
+        print(f"{title}:")
+        for key, value in result.items():
+            print(f"  {key}: {value}")
+    else:
+        print(f"{title}: {result}")
+    sys.stdout.flush()
+
+
+def _version() -> str:
+    return str(importlib.import_module("perseus_legacy").__version__)
+
+
+def _python() -> str:
+    return f"{platform.python_version()} ({sys.executable})"
+
+
+def _tensorflow() -> str:
+    import tensorflow as tf
+
+    return str(tf.__version__)
+
+
+def _keras() -> str:
+    import tensorflow as tf
+
+    module = getattr(tf.keras, "__name__", "")
+    if module.split(".")[0] == "tf_keras":  # TF_USE_LEGACY_KERAS=1 with tf-keras installed
+        import tf_keras
+
+        return f"tf-keras {tf_keras.__version__} (Keras 2, legacy)"
+    version = str(getattr(tf.keras, "__version__", "?"))
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "unset")
+    return f"Keras {version} (Keras {version.split('.')[0]}; TF_USE_LEGACY_KERAS={legacy})"
+
+
+def _core() -> str:
+    core = importlib.import_module("perseus_legacy._core")
+    return f"loaded ({core.__file__})"
+
+
+def _controllers() -> Any:
+    info = importlib.import_module("perseus_legacy._core").build_info()
+    return dict(info) if isinstance(info, dict) else info
+
+
+def _mpi() -> str:
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.initialize = False  # the library version needs no MPI_Init
+        mpi4py.rc.finalize = False
+    from mpi4py import MPI
+
+    return MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
+
+
+def _nccl() -> str:
+    candidates = ["libnccl.so.2"]
+    try:
+        spec = importlib.util.find_spec("nvidia.nccl")
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            candidates.append(os.path.join(location, "lib", "libnccl.so.2"))
+    except (ImportError, ValueError):
+        pass
+    errors = []
+    for candidate in candidates:
+        try:
+            library = ctypes.CDLL(candidate)
+        except OSError as exc:
+            errors.append(str(exc))
+            continue
+        version = ctypes.c_int(0)
+        if library.ncclGetVersion(ctypes.byref(version)) == 0:
+            code = version.value
+            return f"found {candidate} (version {code // 10000}.{code // 100 % 100}.{code % 100})"
+        return f"found {candidate}"
+    return "not found (" + "; ".join(errors) + ")"
+
+
+def _estimator_compat() -> Any:
+    estimator = importlib.import_module("perseus_legacy.estimator")
+    report = getattr(estimator, "compat_report", None)
+    if report is None:
+        return "perseus_legacy.estimator has no compat_report()"
+    return report()
+
+
+def main() -> int:
+    """Prints the diagnostics report; returns 0 even when parts are missing."""
+    for title, probe in (
+        ("perseus_legacy", _version),
+        ("Python", _python),
+        ("TensorFlow", _tensorflow),
+        ("tf.keras", _keras),
+        ("native core", _core),
+        ("controllers built", _controllers),
+        ("MPI library", _mpi),
+        ("NCCL", _nccl),
+        ("estimator compat", _estimator_compat),
+    ):
+        try:
+            _section(title, probe)
+        except Exception:  # even printing a result must not end the report
+            print(f"{title}: report failed:\n{traceback.format_exc()}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

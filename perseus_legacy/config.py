@@ -1,0 +1,54 @@
+"""Per-rank session settings and the conventions of synchronous data-parallel training."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tensorflow as tf
+
+from perseus_legacy import basics
+
+
+def session_config(config: tf.compat.v1.ConfigProto | None = None) -> tf.compat.v1.ConfigProto:
+    """A copy of `config` (or a new ConfigProto) that gives this rank its local GPU only.
+
+    `gpu_options.visible_device_list` becomes `str(local_rank())` and `allow_growth` is set, so
+    ranks sharing a host do not claim each other's GPUs or memory; every other setting (thread
+    pools, ...) is kept. The argument itself is not modified.
+    """
+    result = tf.compat.v1.ConfigProto()
+    if config is not None:
+        result.CopyFrom(config)
+    result.gpu_options.visible_device_list = str(basics.local_rank())
+    result.gpu_options.allow_growth = True
+    return result
+
+
+def is_chief() -> bool:
+    """Whether this rank is rank 0, the one that writes checkpoints, summaries and logs."""
+    return basics.rank() == 0
+
+
+def checkpoint_dir(path: str | None) -> str | None:
+    """`path` on rank 0, None on every other rank.
+
+    Pass it as `checkpoint_dir` of MonitoredTrainingSession (or as a model_dir): only rank 0
+    saves; the others get their values from it through BroadcastGlobalVariablesHook.
+    """
+    return path if basics.rank() == 0 else None
+
+
+def scale_learning_rate(learning_rate: Any) -> Any:
+    """`learning_rate * size()`: the usual scaling for a global batch size() times larger."""
+    return learning_rate * basics.size()
+
+
+def scale_steps(steps: int | None) -> int | None:
+    """`steps // size()`, at least 1 (None stays None: train until the input ends).
+
+    Each synchronous step consumes size() x the per-rank batch, so size() times fewer steps see
+    as many examples as `steps` single-process steps.
+    """
+    if steps is None:
+        return None
+    return max(1, int(steps) // basics.size())

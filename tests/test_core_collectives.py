@@ -1,0 +1,67 @@
+"""The native core (perseus_legacy._core) under real multi-rank launches.
+
+Each launch runs one worker script on every rank; a worker checks many cases and exits non-zero
+(naming the rank and the case) on the first wrong result.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from harness import run_ranks
+
+LAUNCHER = "perseusrun"
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_collectives_match_numpy_for_every_dtype_op_and_submission_order(np_):
+    out = run_ranks(np_, "tests/workers/core_collectives.py", launcher=LAUNCHER, timeout=240).stdout
+    for rank in range(np_):
+        assert f"[rank {rank}] core collectives OK" in out, out
+
+
+@pytest.fixture(scope="module")
+def errors_run():
+    return run_ranks(3, "tests/workers/core_errors.py", launcher=LAUNCHER, timeout=240,
+                     env={"PERSEUS_STALL_WARNING_SECS": "1"}).stdout
+
+
+def test_mismatched_requests_fail_on_every_rank_naming_tensor_ranks_and_values(errors_run):
+    for case in ("dtype", "shape", "op", "root", "root range", "collective", "trailing dims",
+                 "splits", "duplicate"):
+        for rank in range(3):
+            assert f"[rank {rank}] {case}: got the expected error" in errors_run, errors_run
+    for rank in range(3):
+        assert f"[rank {rank}] core errors OK" in errors_run, errors_run
+
+
+def test_stalled_tensor_is_reported_by_rank_0_with_the_missing_rank(errors_run):
+    assert "perseus_legacy[rank 0]: WARNING:" in errors_run, errors_run
+    assert 'allreduce "stall.x": missing ranks [1] (submitted by ranks [0, 2]' in errors_run, \
+        errors_run
+    assert not re.search(r"perseus_legacy\[rank [12]\]", errors_run), "only rank 0 warns"
+
+
+def test_rank_leaving_early_fails_the_others_pending_ops_naming_it():
+    out = run_ranks(3, "tests/workers/core_shutdown_early.py", launcher=LAUNCHER,
+                    timeout=180).stdout
+    for rank in (0, 2):
+        assert f"[rank {rank}] late.x: perseus_legacy: " in out, out
+        assert f"[rank {rank}] later.y: perseus_legacy: cannot run allreduce \"later.y\": " \
+               "rank 1 shut down" in out, out
+
+
+def test_killed_rank_ends_the_job_nonzero_within_30_seconds():
+    result = run_ranks(2, "tests/workers/core_killed.py", launcher=LAUNCHER, timeout=60,
+                       expect_failure=True)
+    ended = time.time()
+    killed = re.search(r"KILLED_AT ([0-9.]+)", result.stdout)
+    assert killed, result.stdout
+    assert "UNEXPECTED" not in result.stdout, result.stdout
+    assert ended - float(killed.group(1)) < 30, result.stdout
+
+
+def test_init_after_shutdown_on_a_subcommunicator_and_stall_shutdown(errors_run):
+    assert "[rank 0] stall shutdown: got the expected error" in errors_run, errors_run

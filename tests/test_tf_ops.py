@@ -1,0 +1,42 @@
+"""The TensorFlow collectives on real multi-rank launches, plus the op library's lazy loading."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT, launch_env, run_ranks
+
+
+# Plain mpirun must work as well as perseusrun: the runtime reads ranks from MPI itself.
+@pytest.mark.parametrize("np_, launcher", [(1, "perseusrun"), (2, "mpirun"), (3, "perseusrun")])
+def test_tf_collectives_match_numpy_in_eager_function_and_session_modes(np_, launcher):
+    """Every op x dtype, uneven shapes, every broadcast root, shuffled build orders, 200 fused
+    tensors, the gradients of each op, and the error paths (before init, mismatched shapes)."""
+    out = run_ranks(np_, "tests/workers/tf_collectives.py", launcher=launcher, timeout=600).stdout
+    assert out.count("OK:") == np_, out
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=launch_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_import_does_not_load_the_op_library_and_a_missing_build_is_an_import_error():
+    code = (
+        "import sysconfig\n"
+        "import perseus_legacy as pl\n"
+        "from perseus_legacy import ops\n"
+        "assert ops._library is None, 'the op library was loaded at import'\n"
+        "sysconfig.get_config_var = lambda name: '.not-built.so'\n"
+        "try:\n"
+        "    ops._op_library()\n"
+        "except ImportError as exc:\n"
+        "    assert 'was not built' in str(exc) and 'pip install' in str(exc), exc\n"
+        "else:\n"
+        "    raise SystemExit('no ImportError for a missing op library')\n"
+        "print('lazy ok')\n"
+    )
+    proc = _python(code)
+    assert proc.returncode == 0 and "lazy ok" in proc.stdout, proc.stdout + proc.stderr

@@ -1,0 +1,35 @@
+"""Rank 1 leaves early (returns from main: the atexit hook shuts it down) while the other ranks
+wait in an allreduce it never joins: they must get an error naming rank 1, not hang."""
+
+from __future__ import annotations
+
+import numpy as np
+from worker_util import assert_close, fail
+
+from perseus_legacy import _core
+
+
+def main() -> None:
+    _core.init()
+    rank, size = _core.rank(), _core.size()
+    got = _core.allreduce(np.ones(2), "before", op=1)
+    assert_close(rank, "before", got, np.full(2, float(size)))
+    if rank == 1:
+        print("[rank 1] leaving without joining late.x", flush=True)
+        return
+    for attempt in ("late.x", "later.y"):
+        try:
+            _core.allreduce(np.ones(2), attempt)
+        except RuntimeError as exc:
+            # "late.x" was usually pending when rank 1 left; had rank 1's exit been negotiated
+            # first, the submission itself is refused. Both must name rank 1.
+            if "rank 1 shut down" not in str(exc):
+                fail(rank, f"{attempt}: the error does not name rank 1: {exc}")
+            print(f"[rank {rank}] {attempt}: {exc}", flush=True)
+        else:
+            fail(rank, f"{attempt} succeeded although rank 1 left")
+    _core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
