@@ -41,8 +41,10 @@ from perseus_legacy.config import (  # noqa: F401
     scale_steps,
     session_config,
 )
+from perseus_legacy.graph_rewrite import GraphRewriteError, distribute_graph  # noqa: F401
 from perseus_legacy.hooks import (  # noqa: F401
     BroadcastGlobalVariablesHook,
+    SyncReplicasHook,
     broadcast_global_variables,
     broadcast_variables,
 )

@@ -7,6 +7,8 @@ from typing import Any, Iterable
 import tensorflow as tf
 
 from perseus_legacy import basics, ops
+from perseus_legacy.basics import Average
+from perseus_legacy.graph_rewrite import distribute_graph
 
 
 def _broadcast_name(var: Any) -> str:
@@ -65,3 +67,33 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Runs the broadcast."""
         session.run(self.bcast_op)
+
+
+class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
+    """Synchronous data-parallel training for a graph built with a plain optimizer.
+
+    In `begin()` (before the graph is finalized) it calls `distribute_graph()`: the gradient of
+    every optimizer update op is averaged (`op`) over all ranks. After the session exists it
+    broadcasts `root_rank`'s global variables like BroadcastGlobalVariablesHook, unless
+    `broadcast=False`. Every rank must use this hook on the same graph. With
+    DistributedOptimizer in the graph too, gradients are still averaged once. `rewritten` is
+    the number of update ops the last `begin()` rewrote.
+    """
+
+    def __init__(self, root_rank: int = 0, broadcast: bool = True, op: int = Average,
+                 device: str = "") -> None:
+        super().__init__()
+        self.op = op
+        self.rewritten = 0
+        self._broadcast = BroadcastGlobalVariablesHook(root_rank, device) if broadcast else None
+
+    def begin(self) -> None:
+        """Rewrites the default graph, then builds the broadcast op."""
+        self.rewritten = distribute_graph(tf.compat.v1.get_default_graph(), op=self.op)
+        if self._broadcast is not None:
+            self._broadcast.begin()
+
+    def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
+        """Broadcasts the root rank's variables (unless broadcast=False)."""
+        if self._broadcast is not None:
+            self._broadcast.after_create_session(session, coord)

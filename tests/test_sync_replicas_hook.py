@@ -1,0 +1,50 @@
+"""SyncReplicasHook / distribute_graph: a plain optimizer's graph rewritten to average gradients
+over real ranks; plus a single-process check of the error for an update op it cannot rewrite
+(this pytest process never initialises MPI)."""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_plain_optimizer_with_sync_replicas_hook_equals_single_process_on_the_global_batch(np_):
+    """SGD (dense apply + sparse scatter), Momentum (sparse apply) and Adam (slot scatters after
+    merging duplicate indices), 5 steps, ranks starting from different random values: under
+    MonitoredTrainingSession + SyncReplicasHook, under a plain Session + distribute_graph +
+    broadcast_global_variables (a second distribute_graph changes nothing), and with
+    DistributedOptimizer + SyncReplicasHook (nothing rewritten, averaged once), the final
+    variables equal a plain-TF run on the global batch from rank 0's values (rtol 1e-5,
+    atol 1e-6)."""
+    out = run_ranks(np_, "tests/workers/train_hook.py", timeout=110).stdout
+    assert out.count("OK:") == np_, out
+
+
+def test_an_update_op_that_cannot_be_rewritten_is_named_in_the_error(monkeypatch):
+    import perseus_legacy as pl  # noqa: I001 (first: it selects legacy Keras)
+    import tensorflow as tf
+    from perseus_legacy import basics
+
+    assert not pl.is_initialized()
+    # Only the checks before any collective run here: pretend to be one of two ranks.
+    monkeypatch.setattr(basics, "require_initialized", lambda what="": None)
+    monkeypatch.setattr(basics, "size", lambda: 2)
+    with tf.Graph().as_default() as graph:
+        var = tf.compat.v1.Variable(tf.zeros([4, 2]), name="table", use_resource=True)
+        dense = tf.compat.v1.Variable(tf.zeros([2]), name="w", use_resource=True)
+        loss = tf.reduce_sum(tf.gather(var, [1, 3])) + tf.reduce_sum(dense * dense)
+        grad, dense_grad = tf.gradients(loss, [var, dense])
+        with tf.name_scope("MyOpt"), tf.name_scope("update_table"):
+            tf.compat.v1.scatter_update(var, grad.indices, grad.values * 0.5)
+        with tf.name_scope("MyOpt/update_w/"):
+            tf.raw_ops.ResourceApplyGradientDescent(var=dense.handle, alpha=0.1,
+                                                    delta=dense_grad)
+        before = len(graph.get_operations())
+        with pytest.raises(pl.GraphRewriteError) as info:
+            pl.distribute_graph()
+        message = str(info.value)
+        assert "MyOpt/update_table/ResourceScatterUpdate" in message, message
+        assert "not linear" in message and "DistributedOptimizer" in message, message
+        assert "update_w" not in message, message
+        assert len(graph.get_operations()) == before  # nothing was changed
