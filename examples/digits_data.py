@@ -1,0 +1,36 @@
+"""Data for the examples: an MNIST .npz (x_train, y_train, x_test, y_test) or scikit-learn's
+bundled 8x8 digits (no download). Images come back flattened, scaled to [0, 1], as float32."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def load(path: str | None = None) -> tuple:
+    """(x_train, y_train, x_test, y_test), the same split in every process."""
+    if path:
+        with np.load(path) as d:
+            x_train, y_train, x_test, y_test = (d[k] for k in
+                                                ("x_train", "y_train", "x_test", "y_test"))
+    else:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        digits = load_digits()
+        x_train, x_test, y_train, y_test = train_test_split(
+            digits.data, digits.target, test_size=0.25, random_state=0, stratify=digits.target)
+    scale = float(max(x_train.max(), 1))
+    return (np.reshape(x_train, (len(x_train), -1)).astype(np.float32) / scale,
+            y_train.astype(np.int64),
+            np.reshape(x_test, (len(x_test), -1)).astype(np.float32) / scale,
+            y_test.astype(np.int64))
+
+
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0):
+    """Endless shuffled mini-batches of (x, y)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(x))
+        for start in range(0, len(x) - batch_size + 1, batch_size):
+            rows = order[start:start + batch_size]
+            yield x[rows], y[rows]
