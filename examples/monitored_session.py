@@ -17,19 +17,7 @@ import time
 
 import tensorflow as tf
 
-import digits_data
-
-BATCH, HIDDEN, LR = 32, 128, 3e-3
-
-
-def model(x, classes):
-    with tf.compat.v1.variable_scope("model", reuse=tf.compat.v1.AUTO_REUSE):
-        hidden = tf.nn.relu(tf.matmul(x, tf.compat.v1.get_variable(
-            "w1", [x.shape[1], HIDDEN])) + tf.compat.v1.get_variable(
-            "b1", [HIDDEN], initializer=tf.zeros_initializer()))
-        return tf.matmul(hidden, tf.compat.v1.get_variable("w2", [HIDDEN, classes])) + \
-            tf.compat.v1.get_variable("b2", [classes], initializer=tf.zeros_initializer())
-
+import digits
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -45,24 +33,24 @@ def main():
     # Only rank 0 writes checkpoints, so only rank 0 needs a default directory.
     model_dir = args.model_dir or (
         tempfile.mkdtemp(prefix="monitored_session_") if pl.is_chief() else None)
-    x_train, y_train, x_test, y_test = digits_data.load(args.data)
+    x_train, y_train, x_test, y_test = digits.load(args.data)
     shard = slice(pl.rank(), None, pl.size())  # perseus_legacy: every size()-th example
     x_train, y_train = x_train[shard], y_train[shard]  # perseus_legacy
     classes = int(max(y_train.max(), y_test.max())) + 1
 
     x = tf.compat.v1.placeholder(tf.float32, [None, x_train.shape[1]], name="x")
     y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
-    logits = model(x, classes)
+    logits = digits.model(x, classes)
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
     global_step = tf.compat.v1.train.get_or_create_global_step()
-    opt = tf.compat.v1.train.AdamOptimizer(pl.scale_learning_rate(LR))  # perseus_legacy
+    opt = tf.compat.v1.train.AdamOptimizer(pl.scale_learning_rate(digits.LR))  # perseus_legacy
     train_op = opt.minimize(loss, global_step=global_step)
 
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1)
     hooks = [pl.SyncReplicasHook(),  # perseus_legacy: averaged gradients, rank 0's start values
              tf.compat.v1.train.StopAtStepHook(last_step=steps)]
-    data = digits_data.batches(x_train, y_train, BATCH)
+    data = digits.batches(x_train, y_train, digits.BATCH)
     with tf.compat.v1.train.MonitoredTrainingSession(
             checkpoint_dir=pl.checkpoint_dir(model_dir),  # perseus_legacy: only rank 0 writes
             config=pl.session_config(config),  # perseus_legacy

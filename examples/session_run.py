@@ -14,19 +14,7 @@ import time
 
 import tensorflow as tf
 
-import digits_data
-
-BATCH, HIDDEN, LR = 32, 128, 3e-3
-
-
-def model(x, classes):
-    with tf.compat.v1.variable_scope("model", reuse=tf.compat.v1.AUTO_REUSE):
-        hidden = tf.nn.relu(tf.matmul(x, tf.compat.v1.get_variable(
-            "w1", [x.shape[1], HIDDEN])) + tf.compat.v1.get_variable(
-            "b1", [HIDDEN], initializer=tf.zeros_initializer()))
-        return tf.matmul(hidden, tf.compat.v1.get_variable("w2", [HIDDEN, classes])) + \
-            tf.compat.v1.get_variable("b2", [classes], initializer=tf.zeros_initializer())
-
+import digits
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -38,17 +26,17 @@ def main():
 
     tf.compat.v1.disable_eager_execution()
     pl.init()  # perseus_legacy
-    x_train, y_train, x_test, y_test = digits_data.load(args.data)
+    x_train, y_train, x_test, y_test = digits.load(args.data)
     shard = slice(pl.rank(), None, pl.size())  # perseus_legacy: every size()-th example
     x_train, y_train = x_train[shard], y_train[shard]  # perseus_legacy
     classes = int(max(y_train.max(), y_test.max())) + 1
 
     x = tf.compat.v1.placeholder(tf.float32, [None, x_train.shape[1]], name="x")
     y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
-    logits = model(x, classes)
+    logits = digits.model(x, classes)
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
-    opt = tf.compat.v1.train.AdamOptimizer(pl.scale_learning_rate(LR))  # perseus_legacy
+    opt = tf.compat.v1.train.AdamOptimizer(pl.scale_learning_rate(digits.LR))  # perseus_legacy
     train_op = opt.minimize(loss)
     pl.distribute_graph()  # perseus_legacy: the Adam updates now use averaged gradients
 
@@ -56,7 +44,7 @@ def main():
     with tf.compat.v1.Session(config=pl.session_config(config)) as sess:  # perseus_legacy
         sess.run(tf.compat.v1.global_variables_initializer())
         sess.run(pl.broadcast_global_variables(0))  # perseus_legacy: start from rank 0's values
-        data = digits_data.batches(x_train, y_train, BATCH)
+        data = digits.batches(x_train, y_train, digits.BATCH)
         start = time.perf_counter()
         for _ in range(steps):
             batch_x, batch_y = next(data)

@@ -14,7 +14,7 @@ import perseus_legacy as pl
 import numpy as np
 import tensorflow as tf
 from train_models import (ATOL, CONFIG, OPTIMIZERS, RTOL, STEPS, VAR_NAMES, build_model,
-                          initial_values, local_batch, reference)
+                          initial_values, local_batch, reference, run_in_plain_session)
 from worker_util import assert_close, fail
 
 MODES = ("hook", "session", "hook+distributed_optimizer")
@@ -75,12 +75,7 @@ def distributed(opt_name: str, rank: int, size: int, mode: str) -> list:
         gathers = [n for n in after if "update_embedding" in n]
         if len(gathers) != 2:  # the embedding's gradient values and indices
             fail(rank, f"{what}: expected 2 allgathers for the sparse gradient, got {gathers}")
-        init = tf.compat.v1.global_variables_initializer()
-        broadcast = pl.broadcast_global_variables(0)
-        with tf.compat.v1.Session(config=CONFIG) as sess:
-            sess.run(init)
-            sess.run(broadcast)
-            return run_steps(sess)
+        return run_in_plain_session(run_steps)
 
 
 def main() -> None:

@@ -125,12 +125,17 @@ def distributed(opt_name: str, rank: int, size: int, mode: str, compression=pl.C
                     config=CONFIG, save_checkpoint_steps=2, save_summaries_steps=2,
                     log_step_count_steps=None) as sess:
                 return run_steps(sess)
-        init = tf.compat.v1.global_variables_initializer()
-        broadcast = pl.broadcast_global_variables(0)
-        with tf.compat.v1.Session(config=CONFIG) as sess:
-            sess.run(init)
-            sess.run(broadcast)
-            return run_steps(sess)
+        return run_in_plain_session(run_steps)
+
+
+def run_in_plain_session(run_steps) -> list:
+    """Initialises a plain Session, broadcasts rank 0's variables, then trains with run_steps."""
+    init = tf.compat.v1.global_variables_initializer()
+    broadcast = pl.broadcast_global_variables(0)
+    with tf.compat.v1.Session(config=CONFIG) as sess:
+        sess.run(init)
+        sess.run(broadcast)
+        return run_steps(sess)
 
 
 def barrier() -> None:

@@ -1,9 +1,14 @@
-"""Data for the examples: an MNIST .npz (x_train, y_train, x_test, y_test) or scikit-learn's
-bundled 8x8 digits (no download). Images come back flattened, scaled to [0, 1], as float32."""
+"""What the digits examples share: the data and the model (plain TF1, nothing distributed).
+
+Data: an MNIST .npz (x_train, y_train, x_test, y_test) or scikit-learn's bundled 8x8 digits
+(no download). Images come back flattened, scaled to [0, 1], as float32."""
 
 from __future__ import annotations
 
 import numpy as np
+import tensorflow as tf
+
+BATCH, HIDDEN, LR = 32, 128, 3e-3
 
 
 def load(path: str | None = None) -> tuple:
@@ -34,3 +39,13 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0):
         for start in range(0, len(x) - batch_size + 1, batch_size):
             rows = order[start:start + batch_size]
             yield x[rows], y[rows]
+
+
+def model(x, classes):
+    """Logits of a one-hidden-layer classifier."""
+    with tf.compat.v1.variable_scope("model", reuse=tf.compat.v1.AUTO_REUSE):
+        hidden = tf.nn.relu(tf.matmul(x, tf.compat.v1.get_variable(
+            "w1", [x.shape[1], HIDDEN])) + tf.compat.v1.get_variable(
+            "b1", [HIDDEN], initializer=tf.zeros_initializer()))
+        return tf.matmul(hidden, tf.compat.v1.get_variable("w2", [HIDDEN, classes])) + \
+            tf.compat.v1.get_variable("b2", [classes], initializer=tf.zeros_initializer())
