@@ -48,6 +48,6 @@ from perseus_legacy.hooks import (  # noqa: F401
     broadcast_global_variables,
     broadcast_variables,
 )
-from perseus_legacy.optimizer import DistributedOptimizer  # noqa: F401
+from perseus_legacy.optimizer import DistributedOptimizer, SyncReplicasOptimizer  # noqa: F401
 
 __version__ = "0.1.0"

@@ -1,8 +1,14 @@
-"""DistributedOptimizer: wraps a tf.compat.v1 optimizer so gradients are reduced over all ranks."""
+"""Optimizer wrappers for tf.compat.v1 optimizers whose gradients are reduced over all ranks.
+
+DistributedOptimizer is Horovod's; SyncReplicasOptimizer is a drop-in for
+`tf.compat.v1.train.SyncReplicasOptimizer` that runs on allreduce instead of parameter servers.
+Both may accumulate gradients locally over several backward passes before one reduction and one
+update (`_accumulate_then_apply`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
@@ -30,6 +36,84 @@ def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_d
     return compression.decompress(ops.allreduce(compressed, op=op, name=name), ctx)
 
 
+class _Accumulator:
+    """Local sum of one variable's gradients over backward passes.
+
+    A sparse gradient (tf.IndexedSlices) is summed into a dense buffer and the rows it touched
+    are remembered, so the total stays sparse: optimizers with lazy sparse updates (Momentum,
+    Adam) then update exactly the rows a single step on all the passes' data would.
+    """
+
+    def __init__(self, grad: Any, var: Any, local: list) -> None:
+        self.var = var
+        self.sparse = isinstance(grad, tf.IndexedSlices)
+        name = var.op.name.replace("/", "_")
+        self.total = tf.compat.v1.Variable(tf.zeros(var.shape, var.dtype.base_dtype),
+                                           trainable=False, name=name, collections=local,
+                                           use_resource=True)
+        self.touched = None
+        if self.sparse:
+            self.touched = tf.compat.v1.Variable(tf.zeros(var.shape[:1], tf.int32),
+                                                 trainable=False, name=name + "_rows",
+                                                 collections=local, use_resource=True)
+
+    def add(self, grad: Any) -> Any:
+        if not self.sparse:
+            return self.total.assign_add(tf.convert_to_tensor(grad))
+        ones = tf.ones_like(grad.indices, tf.int32)
+        return tf.group(self.total.scatter_add(grad),
+                        self.touched.scatter_update(tf.IndexedSlices(ones, grad.indices)))
+
+    def read(self, scale: float) -> Any:
+        scale = tf.cast(scale, self.total.dtype)
+        if not self.sparse:
+            return self.total.read_value() * scale
+        rows = tf.cast(tf.reshape(tf.where(self.touched.read_value() > 0), [-1]), tf.int32)
+        return tf.IndexedSlices(tf.gather(self.total.read_value(), rows) * scale, rows,
+                                tf.shape(self.total, out_type=tf.int64))
+
+    def clear(self) -> list:
+        cleared = [self.total.assign(tf.zeros_like(self.total))]
+        if self.sparse:
+            cleared.append(self.touched.assign(tf.zeros_like(self.touched)))
+        return cleared
+
+
+def _accumulate_then_apply(grads_and_vars: list, passes: int, scale: float,
+                           reduce_and_apply: Callable[[list], Any], name: str) -> Any:
+    """Adds this pass's gradients to local accumulators; every `passes`-th call, reduces
+    `scale` x the accumulated sums and applies them (through `reduce_and_apply`), then clears.
+
+    Accumulators and the pass counter are local variables (initialised by the Scaffold's local
+    init op, not checkpointed, never broadcast): passes accumulated when the job stops are lost.
+    """
+    if tf.executing_eagerly():
+        raise NotImplementedError(
+            f"{name}: accumulating gradients over several backward passes needs a graph "
+            "(tf.compat.v1 Session, MonitoredTrainingSession, Estimator); eagerly, use one pass "
+            "per step")
+    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+    local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
+    with tf.compat.v1.name_scope(None), tf.compat.v1.name_scope(f"{name}_accumulation"):
+        counter = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, name="passes",
+                                        collections=local, use_resource=True)
+        accumulators = [_Accumulator(g, v, local) for g, v in pairs]
+    added = [acc.add(g) for acc, (g, _) in zip(accumulators, pairs)]
+    with tf.control_dependencies(added):
+        count = counter.assign_add(1)
+
+    def apply_now() -> Any:
+        totals = [(acc.read(scale), acc.var) for acc in accumulators]
+        reads = [t.values if isinstance(t, tf.IndexedSlices) else t for t, _ in totals]
+        with tf.control_dependencies(reads):
+            applied = reduce_and_apply(totals)
+        with tf.control_dependencies([applied]):
+            cleared = [c for acc in accumulators for c in acc.clear()]
+            return tf.group(*cleared, counter.assign(0))
+
+    return tf.cond(count >= passes, apply_now, tf.no_op, name=f"{name}_apply_every_{passes}")
+
+
 class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """A `tf.compat.v1.train.Optimizer` whose gradients are averaged (by default) over all ranks.
 
@@ -37,25 +121,24 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     rank, so `minimize`/`apply_gradients` take the same step on every rank. Sparse gradients
     (`tf.IndexedSlices`, e.g. of an embedding lookup) are allgathered and stay sparse unless
     `sparse_as_dense=True`. `compression=Compression.fp16` sends float gradients as float16.
+    With `backward_passes_per_step=k > 1`, `compute_gradients` returns this rank's gradients
+    and `apply_gradients` accumulates them, reducing and applying only every k-th call: the sum
+    of the k passes, or their mean with `average_aggregated_gradients=True` (as in Horovod).
     Every rank must build the same trainable variables (their names name the collectives).
     """
 
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: str | None = None,
                  use_locking: bool = False, compression: Any = Compression.none,
                  sparse_as_dense: bool = False, op: int = Average,
-                 backward_passes_per_step: int = 1) -> None:
+                 backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False) -> None:
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise TypeError(
                 "DistributedOptimizer wraps a tf.compat.v1.train.Optimizer, got "
-                f"{type(optimizer).__name__}; Keras optimizers need the Keras wrapper")
+                f"{type(optimizer).__name__}; Keras optimizers need perseus_legacy.keras")
         if int(backward_passes_per_step) < 1:
             raise ValueError(
                 f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if int(backward_passes_per_step) != 1:
-            raise NotImplementedError(
-                "DistributedOptimizer(backward_passes_per_step > 1) (local gradient accumulation) "
-                "is not implemented yet; use backward_passes_per_step=1 and a larger batch, or "
-                "accumulate gradients yourself before apply_gradients")
         ops._check_op(op)
         if name is None:
             name = "Distributed" + type(optimizer).__name__
@@ -64,12 +147,11 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._compression = compression
         self._sparse_as_dense = sparse_as_dense
         self._reduce_op = op
-        self._backward_passes_per_step = int(backward_passes_per_step)
+        self._passes = int(backward_passes_per_step)
+        self._average_passes = average_aggregated_gradients
 
-    def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
-        """The wrapped optimizer's (gradient, variable) pairs, gradients reduced over all ranks."""
-        grads_and_vars = self._optimizer.compute_gradients(*args, **kwargs)
-        basics.require_initialized("DistributedOptimizer.compute_gradients()")
+    def _reduce(self, grads_and_vars: list) -> list:
+        basics.require_initialized(f"{self._name}.compute_gradients()")
         if basics.size() == 1 and self._reduce_op == Average:
             return grads_and_vars
         with tf.name_scope(self._name + "_Allreduce"):
@@ -77,9 +159,27 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
                                       self._sparse_as_dense, self._name), var)
                     for grad, var in grads_and_vars]
 
-    def apply_gradients(self, *args: Any, **kwargs: Any) -> Any:
-        """Applies already reduced gradients with the wrapped optimizer."""
-        return self._optimizer.apply_gradients(*args, **kwargs)
+    def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
+        """The wrapped optimizer's (gradient, variable) pairs, gradients reduced over all ranks
+        (with backward_passes_per_step > 1: this rank's, reduced later by apply_gradients)."""
+        grads_and_vars = self._optimizer.compute_gradients(*args, **kwargs)
+        if self._passes > 1:
+            basics.require_initialized(f"{self._name}.compute_gradients()")
+            return grads_and_vars
+        return self._reduce(grads_and_vars)
+
+    def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                        name: str | None = None) -> Any:
+        """Applies the reduced gradients with the wrapped optimizer (every k-th call with
+        backward_passes_per_step=k, the global step advancing only then)."""
+        if self._passes == 1:
+            return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
+        scale = 1.0 / self._passes if self._average_passes else 1.0
+        return _accumulate_then_apply(
+            list(grads_and_vars), self._passes, scale,
+            lambda total: self._optimizer.apply_gradients(self._reduce(total), global_step,
+                                                          name),
+            self._name)
 
     def get_slot(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped optimizer's slot variable."""
@@ -92,3 +192,60 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def variables(self, *args: Any, **kwargs: Any) -> list:
         """The wrapped optimizer's variables (slots, beta powers, ...)."""
         return self._optimizer.variables(*args, **kwargs)
+
+
+class SyncReplicasOptimizer(DistributedOptimizer):
+    """`tf.compat.v1.train.SyncReplicasOptimizer` on allreduce: no parameter servers, no queues.
+
+    Every global step applies the average of `replicas_to_aggregate` gradients. Each rank counts
+    as one replica; `replicas_to_aggregate = k * size()` (k > 1) averages k backward passes of
+    every rank (the global step advances every k-th run of the train op). Both default to the
+    number of ranks. Backup workers (fewer replicas to aggregate than replicas) and counts that
+    are not a multiple of the number of ranks are refused: allreduce waits for every rank.
+    """
+
+    def __init__(self, opt: tf.compat.v1.train.Optimizer, replicas_to_aggregate: int | None = None,
+                 total_num_replicas: int | None = None, variable_averages: Any = None,
+                 variables_to_average: Any = None, use_locking: bool = False,
+                 name: str = "sync_replicas") -> None:
+        basics.require_initialized("SyncReplicasOptimizer()")
+        size, rank = basics.size(), basics.rank()
+        where = f"SyncReplicasOptimizer on rank {rank} of {size}"
+        if variable_averages is not None or variables_to_average is not None:
+            raise NotImplementedError(
+                f"{where}: variable_averages is not supported; build the "
+                "ExponentialMovingAverage after the train op yourself (every rank holds the "
+                "same variables, so rank 0's averages are everyone's)")
+        total = size if total_num_replicas is None else int(total_num_replicas)
+        if total != size:
+            raise ValueError(
+                f"{where}: total_num_replicas={total_num_replicas}, but the job has {size} "
+                "ranks; each rank is one replica (leave total_num_replicas=None)")
+        aggregate = size if replicas_to_aggregate is None else int(replicas_to_aggregate)
+        if aggregate < size:
+            raise ValueError(
+                f"{where}: replicas_to_aggregate={replicas_to_aggregate} < {size} replicas asks "
+                "for backup workers (the slowest replicas' gradients dropped each step); "
+                "allreduce waits for every rank, so use replicas_to_aggregate=None "
+                f"(= {size}) or a multiple of it to accumulate several passes per rank")
+        if aggregate % size:
+            raise ValueError(
+                f"{where}: replicas_to_aggregate={replicas_to_aggregate} is not a multiple of "
+                f"the {size} ranks; k * {size} accumulates k backward passes on every rank")
+        super().__init__(opt, name=name, use_locking=use_locking,
+                         backward_passes_per_step=aggregate // size,
+                         average_aggregated_gradients=True)
+        self._replicas_to_aggregate = aggregate
+        self._total_num_replicas = total
+
+    def get_init_tokens_op(self, num_tokens: int = -1) -> Any:
+        """No tokens exist (replicas never run ahead of each other): a no-op."""
+        return tf.no_op(name="sync_replicas_init_tokens")
+
+    def make_session_run_hook(self, is_chief: bool, num_tokens: int = -1) -> Any:
+        """The hook every rank passes to its MonitoredTrainingSession: it broadcasts rank 0's
+        variables after the session is created (or restored) and keeps ranks stopping together.
+        `is_chief` and `num_tokens` are accepted for compatibility; rank 0 is the chief."""
+        from perseus_legacy.hooks import SyncReplicasHook
+
+        return SyncReplicasHook()

@@ -21,6 +21,19 @@ def test_plain_optimizer_with_sync_replicas_hook_equals_single_process_on_the_gl
     assert out.count("OK:") == np_, out
 
 
+@pytest.mark.parametrize("np_,scenario", [(2, "short-first"), (3, "short-last"),
+                                          (3, "stop-hook")])
+def test_ranks_that_stop_at_different_steps_all_end_after_the_last_common_step(np_, scenario,
+                                                                                tmp_path):
+    """One rank's tf.data input ends after 4 batches while the others have 6 (rank 0 short, or
+    the last rank short: rank 0 then undoes its extra step), or the last rank alone has
+    StopAtStepHook(4): every rank exits 0 at global step 4, with Adam's variables equal to
+    single-process training on the first 4 global batches (rtol 1e-5, atol 1e-6), and rank 0's
+    latest checkpoint is step 4 with those values."""
+    out = run_ranks(np_, "tests/workers/train_stop.py", tmp_path, scenario, timeout=120).stdout
+    assert out.count("OK:") == np_, out
+
+
 def test_an_update_op_that_cannot_be_rewritten_is_named_in_the_error(monkeypatch):
     import perseus_legacy as pl  # noqa: I001 (first: it selects legacy Keras)
     import tensorflow as tf

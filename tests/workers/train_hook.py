@@ -21,9 +21,10 @@ MODES = ("hook", "session", "hook+distributed_optimizer")
 
 
 def collectives(graph: tf.Graph) -> list:
-    """The gradient collectives (broadcasts left out) of `graph`."""
+    """The gradient collectives (broadcasts and the hook's stop agreement left out)."""
     return [op.name for op in graph.get_operations()
-            if op.type in ("PerseusAllreduce", "PerseusAllgather")]
+            if op.type in ("PerseusAllreduce", "PerseusAllgather")
+            and not op.name.startswith("PerseusSync/ranks_running")]
 
 
 def distributed(opt_name: str, rank: int, size: int, mode: str) -> list:

@@ -52,10 +52,13 @@ def local_batch(step: int, rank: int, size: int) -> tuple:
     return ids[rows], targets[rows]
 
 
-def build_model(init: dict, global_step_init: int = 0) -> tuple:
-    """(ids, targets placeholders, loss, global step, variables) in the default graph."""
-    ids = tf.compat.v1.placeholder(tf.int32, [None], name="ids")
-    targets = tf.compat.v1.placeholder(tf.float32, [None, OUT], name="targets")
+def build_model(init: dict, global_step_init: int = 0, inputs: tuple | None = None) -> tuple:
+    """(ids, targets, loss, global step, variables) in the default graph; ids and targets are
+    placeholders unless `inputs` gives them (e.g. from a dataset iterator)."""
+    if inputs is None:
+        inputs = (tf.compat.v1.placeholder(tf.int32, [None], name="ids"),
+                  tf.compat.v1.placeholder(tf.float32, [None, OUT], name="targets"))
+    ids, targets = inputs
     variables = [tf.compat.v1.Variable(init[n], name=n, use_resource=True) for n in VAR_NAMES]
     global_step = tf.compat.v1.Variable(
         np.int64(global_step_init), name="global_step", trainable=False, use_resource=True,
@@ -68,14 +71,14 @@ def build_model(init: dict, global_step_init: int = 0) -> tuple:
     return ids, targets, loss, global_step, variables
 
 
-def reference(opt_name: str) -> list:
+def reference(opt_name: str, steps: int = STEPS) -> list:
     """Single process, plain TensorFlow, whole global batch, rank 0's initial values."""
     with tf.Graph().as_default():
         ids, targets, loss, global_step, variables = build_model(initial_values(0))
         train = OPTIMIZERS[opt_name]().minimize(loss, global_step=global_step)
         with tf.compat.v1.Session(config=CONFIG) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
-            for step in range(STEPS):
+            for step in range(steps):
                 batch_ids, batch_targets = global_batch(step)
                 sess.run(train, {ids: batch_ids, targets: batch_targets})
             return sess.run(variables)

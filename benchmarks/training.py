@@ -1,0 +1,138 @@
+"""Training throughput of a small CNN: 1 rank vs 2 ranks, hooks only vs DistributedOptimizer.
+
+    python benchmarks/training.py [--steps 40] [--repeats 3]
+
+Launches every configuration itself with `perseusrun` (one intra-op thread per rank, so each
+rank has one core of its own on a 2-core host) and prints a markdown table: global examples/s,
+time per step, and the scaling efficiency (2-rank examples/s over twice the 1-rank examples/s,
+per-rank batch fixed). Both paths run a MonitoredTrainingSession with a plain Momentum
+optimizer; "hooks only" adds SyncReplicasHook and nothing else, "DistributedOptimizer" wraps the
+optimizer and adds BroadcastGlobalVariablesHook. With one rank both are plain TensorFlow. The
+configurations take turns within every repeat, and the median repeat is reported, so load from
+elsewhere on the host hits them alike.
+"""
+
+from __future__ import annotations  # noqa: I001 (import order below is deliberate)
+
+# perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
+import perseus_legacy as pl
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import tensorflow as tf
+
+BATCH = 32  # images per rank and step
+IMAGE, CLASSES = 28, 10
+PATHS = {"hooks": "hooks only (SyncReplicasHook)",
+         "optimizer": "DistributedOptimizer + broadcast hook"}
+THREADS = {"OMP_NUM_THREADS": "1", "TF_NUM_INTRAOP_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+def cnn(images: tf.Tensor) -> tf.Tensor:
+    """Logits of conv(5x5, 32) - pool - conv(5x5, 64) - pool - dense(256) - dense(10)."""
+    def weight(name: str, shape: list) -> tf.Variable:
+        init = tf.compat.v1.glorot_uniform_initializer()
+        return tf.compat.v1.get_variable(name, shape, initializer=init)
+
+    def bias(name: str, n: int) -> tf.Variable:
+        return tf.compat.v1.get_variable(name, [n], initializer=tf.zeros_initializer())
+
+    x = tf.nn.relu(tf.nn.conv2d(images, weight("c1", [5, 5, 1, 32]), 1, "SAME") + bias("b1", 32))
+    x = tf.nn.max_pool2d(x, 2, 2, "SAME")
+    x = tf.nn.relu(tf.nn.conv2d(x, weight("c2", [5, 5, 32, 64]), 1, "SAME") + bias("b2", 64))
+    x = tf.reshape(tf.nn.max_pool2d(x, 2, 2, "SAME"), [-1, 7 * 7 * 64])
+    x = tf.nn.relu(tf.matmul(x, weight("d1", [7 * 7 * 64, 256])) + bias("b3", 256))
+    return tf.matmul(x, weight("d2", [256, CLASSES])) + bias("b4", CLASSES)
+
+
+def worker(path: str, steps: int) -> None:
+    """One rank: trains `steps` timed steps after a warm-up; rank 0 prints a RESULT line."""
+    pl.init()
+    rng = np.random.default_rng(pl.rank())
+    images = rng.uniform(size=(BATCH, IMAGE, IMAGE, 1)).astype(np.float32)
+    labels = rng.integers(0, CLASSES, size=BATCH).astype(np.int64)
+    with tf.Graph().as_default():
+        x, y = tf.compat.v1.data.make_one_shot_iterator(
+            tf.data.Dataset.from_tensors((images, labels)).repeat()).get_next()
+        loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y,
+                                                                             logits=cnn(x)))
+        opt = tf.compat.v1.train.MomentumOptimizer(0.01, momentum=0.9)
+        if path == "optimizer":
+            opt, hooks = pl.DistributedOptimizer(opt), [pl.BroadcastGlobalVariablesHook(0)]
+        else:
+            hooks = [pl.SyncReplicasHook()]
+        train = opt.minimize(loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                          inter_op_parallelism_threads=2)
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=hooks, config=config, save_checkpoint_secs=None,
+                save_summaries_steps=None, log_step_count_steps=None) as sess:
+            for _ in range(5):
+                sess.run(train)
+            barrier = pl.basics.core().allreduce
+            barrier(np.zeros(1, np.float32), name="bench_start")
+            start = time.perf_counter()
+            for _ in range(steps):
+                sess.run(train)
+            barrier(np.zeros(1, np.float32), name="bench_end")
+            seconds = time.perf_counter() - start
+    if pl.rank() == 0:
+        print("RESULT " + json.dumps({"seconds": seconds, "steps": steps, "ranks": pl.size()}),
+              flush=True)
+
+
+def launch(path: str, ranks: int, steps: int) -> dict:
+    perseusrun = Path(sys.executable).parent / "perseusrun"
+    cmd = [str(perseusrun), "-np", str(ranks), "--timeout", "600", "--bind-to", "core",
+           *[a for k, v in THREADS.items() for a in ("-x", f"{k}={v}")],
+           sys.executable, __file__, "--worker", path, "--steps", str(steps)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=660)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        raise SystemExit(f"{' '.join(cmd)} failed (exit {out.returncode}):\n"
+                         f"{out.stdout}\n{out.stderr}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    return {"examples_per_s": BATCH * ranks * steps / result["seconds"],
+            "step_ms": 1e3 * result["seconds"] / steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", choices=sorted(PATHS), help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps)
+        return
+    configs = [(path, ranks) for path in PATHS for ranks in (1, 2)]
+    runs: dict = {c: [] for c in configs}
+    for _ in range(args.repeats):
+        for config in configs:
+            runs[config].append(launch(*config, args.steps))
+    best = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
+            for c in configs}
+    print(f"\nSmall CNN, batch {BATCH} per rank, {args.steps} steps, median of "
+          f"{args.repeats} runs, 1 intra-op thread per rank\n")
+    print("| path | ranks | examples/s | ms/step | scaling efficiency |")
+    print("|---|---:|---:|---:|---:|")
+    for path, ranks in configs:
+        r = best[(path, ranks)]
+        efficiency = r["examples_per_s"] / (ranks * best[(path, 1)]["examples_per_s"])
+        print(f"| {PATHS[path]} | {ranks} | {r['examples_per_s']:.0f} | {r['step_ms']:.1f} | "
+              f"{100 * efficiency:.1f}% |")
+    hooks, optimizer = best[("hooks", 2)], best[("optimizer", 2)]
+    print(f"\nAt 2 ranks, hooks only runs at "
+          f"{100 * hooks['examples_per_s'] / optimizer['examples_per_s']:.1f}% of "
+          "DistributedOptimizer's examples/s.")
+
+
+if __name__ == "__main__":
+    main()
