@@ -17,6 +17,7 @@ from perseus_legacy.basics import (  # noqa: F401
     cross_size,
     init,
     is_initialized,
+    join,
     local_rank,
     local_size,
     mpi_threads_supported,

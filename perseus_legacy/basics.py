@@ -106,6 +106,16 @@ def cross_size() -> int:
     return _query("cross_size")
 
 
+def join() -> int:
+    """Blocks until every rank has called join(); returns, on every rank, the rank that joined last.
+
+    Call it when this rank has run out of data: until the others join too, their collectives
+    still complete, with this rank contributing nothing (an Average is over the ranks with data).
+    """
+    require_initialized("join()")
+    return int(core().join())
+
+
 def mpi_threads_supported() -> bool:
     """Whether MPI runs with MPI_THREAD_MULTIPLE (other threads may call MPI too)."""
     require_initialized("mpi_threads_supported()")

@@ -26,11 +26,13 @@ std::vector<int64_t> TrailingDims(const std::vector<int64_t>& shape) {
   return shape.empty() ? shape : std::vector<int64_t>(shape.begin() + 1, shape.end());
 }
 
-// "dtype mismatch: ranks [0, 2] float32, ranks [1] float64", or "" when every rank agrees.
+// "dtype mismatch: ranks [0, 2] float32, ranks [1] float64", or "" when every rank in
+// `present` (those that submitted the tensor) agrees.
 template <typename ValueOf>
-std::string Mismatch(const std::vector<RequestMeta>& metas, const char* what, ValueOf value_of) {
+std::string Mismatch(const std::vector<RequestMeta>& metas, const std::vector<int>& present,
+                     const char* what, ValueOf value_of) {
   std::vector<std::pair<std::string, std::vector<int>>> groups;
-  for (int r = 0; r < static_cast<int>(metas.size()); ++r) {
+  for (int r : present) {
     std::string value = value_of(metas[r]);
     auto it = std::find_if(groups.begin(), groups.end(),
                            [&](const auto& g) { return g.first == value; });
@@ -53,12 +55,13 @@ std::string Describe(CollectiveType type, const std::string& name) {
   return std::string(CollectiveTypeName(type)) + " \"" + name + "\"";
 }
 
-// The common case, checked without formatting any text: every rank sent the same request
-// (up to the first dimension, which allgather and alltoall allow to differ).
-bool AllAgree(const std::vector<RequestMeta>& metas) {
-  const RequestMeta& a = metas.front();
+// The common case, checked without formatting any text: every rank in `present` sent the same
+// request (up to the first dimension, which allgather and alltoall allow to differ).
+bool AllAgree(const std::vector<RequestMeta>& metas, const std::vector<int>& present) {
+  const RequestMeta& a = metas[present.front()];
   const bool ragged = a.type == CollectiveType::kAllgather || a.type == CollectiveType::kAlltoall;
-  for (const RequestMeta& b : metas) {
+  for (int r : present) {
+    const RequestMeta& b = metas[r];
     if (b.type != a.type || b.dtype != a.dtype || b.reduce_op != a.reduce_op ||
         b.root_rank != a.root_rank || b.prescale_factor != a.prescale_factor ||
         b.postscale_factor != a.postscale_factor || b.shape.size() != a.shape.size()) {
@@ -74,11 +77,26 @@ bool AllAgree(const std::vector<RequestMeta>& metas) {
 
 }  // namespace
 
-Coordinator::Coordinator(CoordinatorOptions options) : options_(options) {}
+Coordinator::Coordinator(CoordinatorOptions options)
+    : options_(options), joined_(options.size, false) {}
+
+bool Coordinator::Ready(const Pending& p) const {
+  if (p.count == options_.size) return true;
+  if (joined_count_ == 0) return false;
+  for (int r = 0; r < options_.size; ++r) {
+    if (!p.submitted[r] && !joined_[r]) return false;
+  }
+  return true;
+}
+
+void Coordinator::MarkReady(const std::string& name, Pending* p) {
+  p->ready = true;
+  ready_.push_back(name);
+}
 
 void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) {
   if (list.shutting_down) shutting_down_.push_back(rank);
-  announced_ = announced_ || !list.requests.empty();
+  announced_ = announced_ || !list.requests.empty() || list.joined;
   for (const RequestMeta& meta : list.requests) {
     Pending& p = table_[meta.name];
     if (p.per_rank.empty()) {
@@ -89,13 +107,22 @@ void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) 
     if (!p.submitted[rank]) ++p.count;
     p.submitted[rank] = true;
     p.per_rank[rank] = meta;
-    if (p.count == options_.size) ready_.push_back(meta.name);
+    if (!p.ready && Ready(p)) MarkReady(meta.name, &p);
+  }
+  // The requests above came before the join: they were submitted with this rank's data.
+  if (list.joined && !joined_[rank]) {
+    joined_[rank] = true;
+    ++joined_count_;
+    last_joined_ = rank;
+    join_changed_ = true;
   }
 }
 
-Response Coordinator::Validate(const std::string& name,
-                               const std::vector<RequestMeta>& metas) const {
-  const RequestMeta& first = metas.front();
+Response Coordinator::Validate(const std::string& name, const Pending& p) const {
+  const std::vector<RequestMeta>& metas = p.per_rank;
+  std::vector<int> present, joined;
+  for (int r = 0; r < options_.size; ++r) (p.submitted[r] ? present : joined).push_back(r);
+  const RequestMeta& first = metas[present.front()];
   Response error;
   error.type = ResponseType::kError;
   error.names = {name};
@@ -104,10 +131,10 @@ Response Coordinator::Validate(const std::string& name,
     return error;
   };
 
-  const bool agree = AllAgree(metas);
+  const bool agree = AllAgree(metas, present);
   std::string m;
   if (!agree) {
-    m = Mismatch(metas, "collective",
+    m = Mismatch(metas, present, "collective",
                  [](const RequestMeta& r) { return CollectiveTypeName(r.type); });
   }
   if (!m.empty()) {
@@ -115,7 +142,8 @@ Response Coordinator::Validate(const std::string& name,
     return error;
   }
   if (!agree) {
-    m = Mismatch(metas, "dtype", [](const RequestMeta& r) { return DataTypeName(r.dtype); });
+    m = Mismatch(metas, present, "dtype",
+                 [](const RequestMeta& r) { return DataTypeName(r.dtype); });
     if (!m.empty()) return fail(m);
   }
 
@@ -123,7 +151,7 @@ Response Coordinator::Validate(const std::string& name,
   auto trailing_of = [](const RequestMeta& r) { return ShapeString(TrailingDims(r.shape)); };
   auto needs_dims = [&]() -> std::string {
     std::vector<int> scalars;
-    for (int r = 0; r < static_cast<int>(metas.size()); ++r) {
+    for (int r : present) {
       if (metas[r].shape.empty()) scalars.push_back(r);
     }
     if (scalars.empty()) return "";
@@ -134,41 +162,51 @@ Response Coordinator::Validate(const std::string& name,
   ok.names = {name};
   ok.dtype = first.dtype;
   const int size = options_.size;
+  if (!joined.empty()) {
+    ok.joined_ranks.assign(joined.begin(), joined.end());
+    ok.shape = first.shape;
+  }
   switch (first.type) {
     case CollectiveType::kAllreduce: {
       if (first.dtype == DataType::kBool) {
         return fail("bool tensors cannot be reduced; cast them to an integer type first");
       }
       if (!agree) {
-        m = Mismatch(metas, "reduce op",
+        m = Mismatch(metas, present, "reduce op",
                      [](const RequestMeta& r) { return ReduceOpName(r.reduce_op); });
         if (m.empty()) {
-          m = Mismatch(metas, "prescale_factor",
+          m = Mismatch(metas, present, "prescale_factor",
                        [](const RequestMeta& r) { return Number(r.prescale_factor); });
         }
         if (m.empty()) {
-          m = Mismatch(metas, "postscale_factor",
+          m = Mismatch(metas, present, "postscale_factor",
                        [](const RequestMeta& r) { return Number(r.postscale_factor); });
         }
-        if (m.empty()) m = Mismatch(metas, "shape", shape_of);
+        if (m.empty()) m = Mismatch(metas, present, "shape", shape_of);
         if (!m.empty()) return fail(m);
       }
       ok.type = ResponseType::kAllreduce;
       ok.reduce_op = first.reduce_op;
       ok.prescale_factor = first.prescale_factor;
       ok.postscale_factor = first.postscale_factor;
+      if (!joined.empty()) ok.sizes = {NumElements(first.shape)};
       return ok;
     }
     case CollectiveType::kBroadcast: {
       if (!agree) {
-        m = Mismatch(metas, "root_rank",
+        m = Mismatch(metas, present, "root_rank",
                      [](const RequestMeta& r) { return std::to_string(r.root_rank); });
-        if (m.empty()) m = Mismatch(metas, "shape", shape_of);
+        if (m.empty()) m = Mismatch(metas, present, "shape", shape_of);
         if (!m.empty()) return fail(m);
       }
       if (first.root_rank < 0 || first.root_rank >= size) {
         return fail("root_rank " + std::to_string(first.root_rank) + " is out of range for " +
                     std::to_string(size) + " ranks");
+      }
+      if (!p.submitted[first.root_rank]) {
+        return fail("root_rank " + std::to_string(first.root_rank) +
+                    " has joined (perseus_legacy.join()) without submitting it, so there is "
+                    "nothing to broadcast");
       }
       ok.type = ResponseType::kBroadcast;
       ok.root_rank = first.root_rank;
@@ -177,17 +215,21 @@ Response Coordinator::Validate(const std::string& name,
     case CollectiveType::kAllgather: {
       m = needs_dims();
       if (m.empty() && !agree) {
-        m = Mismatch(metas, "shape beyond the first dimension", trailing_of);
+        m = Mismatch(metas, present, "shape beyond the first dimension", trailing_of);
       }
       if (!m.empty()) return fail(m);
       ok.type = ResponseType::kAllgather;
-      for (const RequestMeta& r : metas) ok.sizes.push_back(r.shape[0]);
+      for (int r = 0; r < size; ++r) ok.sizes.push_back(p.submitted[r] ? metas[r].shape[0] : 0);
       return ok;
     }
     case CollectiveType::kAlltoall: {
+      if (!joined.empty()) {
+        return fail("cannot run while ranks " + RankList(joined) +
+                    " have joined (perseus_legacy.join()); alltoall needs data from every rank");
+      }
       m = needs_dims();
       if (m.empty() && !agree) {
-        m = Mismatch(metas, "shape beyond the first dimension", trailing_of);
+        m = Mismatch(metas, present, "shape beyond the first dimension", trailing_of);
       }
       if (!m.empty()) return fail(m);
       ok.type = ResponseType::kAlltoall;
@@ -230,11 +272,13 @@ Response Coordinator::Validate(const std::string& name,
 
 void Coordinator::AppendFused(Response response, int64_t bytes, std::vector<Response>* out,
                               OpenFusions* open) const {
-  const FusionKey key{response.dtype, response.reduce_op, response.prescale_factor,
-                      response.postscale_factor};
+  FusionKey key{response.dtype, response.reduce_op, response.prescale_factor,
+                response.postscale_factor, response.joined_ranks};
   auto it = open->find(key);
   if (it != open->end() && it->second.second + bytes <= options_.fusion_threshold_bytes) {
-    (*out)[it->second.first].names.push_back(response.names.front());
+    Response& fused = (*out)[it->second.first];
+    fused.names.push_back(response.names.front());
+    fused.sizes.insert(fused.sizes.end(), response.sizes.begin(), response.sizes.end());
     it->second.second += bytes;
     return;
   }
@@ -248,7 +292,13 @@ std::string Coordinator::StallCheck(Clock::time_point now, std::vector<Response>
     Pending& p = it->second;
     const double age = std::chrono::duration<double>(now - p.first_seen).count();
     std::vector<int> missing, present;
-    for (int r = 0; r < options_.size; ++r) (p.submitted[r] ? present : missing).push_back(r);
+    for (int r = 0; r < options_.size; ++r) {
+      if (p.submitted[r]) {
+        present.push_back(r);
+      } else if (!joined_[r]) {
+        missing.push_back(r);
+      }
+    }
     const RequestMeta& meta = p.per_rank[present.front()];
     const std::string what = Describe(meta.type, it->first);
     if (options_.stall_shutdown_secs > 0 && age >= options_.stall_shutdown_secs) {
@@ -286,15 +336,27 @@ std::string Coordinator::StallCheck(Clock::time_point now, std::vector<Response>
 }
 
 ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning) {
+  if (join_changed_) {
+    // Tensors waiting only on ranks that have now joined run now, oldest first.
+    std::vector<std::pair<Clock::time_point, std::string>> newly_ready;
+    for (auto& [name, p] : table_) {
+      if (!p.ready && Ready(p)) newly_ready.emplace_back(p.first_seen, name);
+    }
+    std::sort(newly_ready.begin(), newly_ready.end());
+    for (auto& [seen, name] : newly_ready) MarkReady(name, &table_[name]);
+    join_changed_ = false;
+  }
   ResponseList list;
   OpenFusions open_fusions;
   for (const std::string& name : ready_) {
     auto node = table_.extract(name);
-    std::vector<RequestMeta> metas = std::move(node.mapped().per_rank);
-    Response response = Validate(name, metas);
+    const Pending& p = node.mapped();
+    Response response = Validate(name, p);
     if (response.type == ResponseType::kAllreduce) {
-      const int64_t bytes = NumElements(metas.front().shape) *
-                            static_cast<int64_t>(DataTypeSize(metas.front().dtype));
+      const auto first = std::find(p.submitted.begin(), p.submitted.end(), true);
+      const RequestMeta& meta = p.per_rank[first - p.submitted.begin()];
+      const int64_t bytes =
+          NumElements(meta.shape) * static_cast<int64_t>(DataTypeSize(meta.dtype));
       AppendFused(std::move(response), bytes, &list.responses, &open_fusions);
     } else {
       list.responses.push_back(std::move(response));
@@ -305,6 +367,17 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
   *stall_warning = StallCheck(now, &list.responses);
   list.progress = announced_ || !list.responses.empty();
   announced_ = false;
+
+  if (joined_count_ == options_.size) {
+    // Everything pending became ready above, so every rank has finished its data.
+    Response join;
+    join.type = ResponseType::kJoin;
+    join.root_rank = last_joined_;
+    list.responses.push_back(std::move(join));
+    joined_.assign(options_.size, false);
+    joined_count_ = 0;
+    last_joined_ = -1;
+  }
 
   if (!shutting_down_.empty()) {
     Response shutdown;

@@ -68,9 +68,10 @@ class Coordinator {
   // Records what `rank` announced in this round.
   void Add(int rank, const RequestList& list, Clock::time_point now);
 
-  // The round's answer: every tensor that became ready on all ranks, in the order it became
-  // ready, validated and with compatible allreduces fused; errors for tensors stalled beyond
-  // the shutdown limit; and a final kShutdown when any rank is shutting down.
+  // The round's answer: every tensor that became ready on all ranks (a rank that joined counts
+  // as ready for every tensor), in the order it became ready, validated and with compatible
+  // allreduces fused; errors for tensors stalled beyond the shutdown limit; a kJoin once every
+  // rank has joined; and a final kShutdown when any rank is shutting down.
   // `stall_warning` receives text for rank 0's stderr when tensors wait on missing ranks.
   ResponseList Plan(Clock::time_point now, std::string* stall_warning);
 
@@ -79,17 +80,21 @@ class Coordinator {
     std::vector<RequestMeta> per_rank;  // indexed by rank, valid where submitted[rank]
     std::vector<bool> submitted;
     int count = 0;
+    bool ready = false;  // listed in ready_
     Clock::time_point first_seen;
     Clock::time_point last_warned;
     bool warned = false;
   };
 
-  // Allreduces reduce identically, and may share one buffer, when these agree.
-  using FusionKey = std::tuple<DataType, ReduceOp, double, double>;
+  // Allreduces reduce identically, and may share one buffer, when these agree (the last: the
+  // joined ranks that take part without data, which also sets an Average's divisor).
+  using FusionKey = std::tuple<DataType, ReduceOp, double, double, std::vector<int64_t>>;
   // Per key: the index of the response still accepting tensors, and its bytes so far.
   using OpenFusions = std::map<FusionKey, std::pair<size_t, int64_t>>;
 
-  Response Validate(const std::string& name, const std::vector<RequestMeta>& metas) const;
+  bool Ready(const Pending& p) const;
+  void MarkReady(const std::string& name, Pending* p);
+  Response Validate(const std::string& name, const Pending& p) const;
   void AppendFused(Response response, int64_t bytes, std::vector<Response>* out,
                    OpenFusions* open) const;
   std::string StallCheck(Clock::time_point now, std::vector<Response>* errors);
@@ -99,6 +104,10 @@ class Coordinator {
   std::vector<std::string> ready_;       // names that became ready this round, in order
   std::vector<int> shutting_down_;       // ranks that asked to shut down this round
   bool announced_ = false;               // whether any rank announced a request this round
+  std::vector<bool> joined_;             // ranks that called join() and wait for the others
+  int joined_count_ = 0;
+  int last_joined_ = -1;
+  bool join_changed_ = false;            // a rank joined this round: pending tensors may be ready
 };
 
 }  // namespace perseus

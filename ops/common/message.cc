@@ -73,7 +73,7 @@ class Reader {
 
 std::string Serialize(const RequestList& list) {
   Writer w;
-  w.Put<uint8_t>(list.shutting_down);
+  w.Put<uint8_t>(static_cast<uint8_t>(list.shutting_down | (list.joined << 1)));
   w.Put<uint32_t>(static_cast<uint32_t>(list.requests.size()));
   for (const RequestMeta& r : list.requests) {
     w.PutString(r.name);
@@ -91,7 +91,9 @@ std::string Serialize(const RequestList& list) {
 
 bool Deserialize(const std::string& bytes, RequestList* list) {
   Reader r(bytes);
-  list->shutting_down = r.Get<uint8_t>() != 0;
+  const uint8_t flags = r.Get<uint8_t>();
+  list->shutting_down = (flags & 1) != 0;
+  list->joined = (flags & 2) != 0;
   uint32_t n = r.Get<uint32_t>();
   list->requests.clear();
   for (uint32_t i = 0; i < n && r.ok(); ++i) {
@@ -124,6 +126,8 @@ std::string Serialize(const ResponseList& list) {
     w.Put(r.prescale_factor);
     w.Put(r.postscale_factor);
     w.PutInts(r.sizes);
+    w.PutInts(r.joined_ranks);
+    w.PutInts(r.shape);
     w.PutString(r.error);
   }
   return w.Take();
@@ -145,6 +149,8 @@ bool Deserialize(const std::string& bytes, ResponseList* list) {
     resp.prescale_factor = r.Get<double>();
     resp.postscale_factor = r.Get<double>();
     resp.sizes = r.GetInts();
+    resp.joined_ranks = r.GetInts();
+    resp.shape = r.GetInts();
     resp.error = r.GetString();
     list->responses.push_back(std::move(resp));
   }

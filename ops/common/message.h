@@ -27,6 +27,8 @@ struct RequestMeta {
 struct RequestList {
   std::vector<RequestMeta> requests;
   bool shutting_down = false;
+  // This rank called join() (after the requests above): it has no more data of its own.
+  bool joined = false;
 };
 
 enum class ResponseType : uint8_t {
@@ -37,6 +39,7 @@ enum class ResponseType : uint8_t {
   kError = 4,     // fail `names` on every rank that has them, with `error`
   kShutdown = 5,  // `error` names the ranks shutting down: fail everything pending, stop
   kFatal = 6,     // the coordinator cannot go on: fail everything pending with `error`, stop
+  kJoin = 7,      // every rank has joined; `root_rank` is the rank that joined last
 };
 
 struct Response {
@@ -48,8 +51,14 @@ struct Response {
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
   // allgather: every rank's first dimension. alltoall: the size x size split matrix, row-major,
-  // sizes[sender * size + receiver] = rows sender sends to receiver.
+  // sizes[sender * size + receiver] = rows sender sends to receiver. allreduce with
+  // `joined_ranks`: the element count of each of `names`.
   std::vector<int64_t> sizes;
+  // Ranks that joined without submitting these tensors: they take part with a neutral
+  // contribution (the reduction's identity, zero rows, a receive into scratch).
+  std::vector<int64_t> joined_ranks;
+  // With `joined_ranks`, for allgather / broadcast: the shape a submitting rank gave.
+  std::vector<int64_t> shape;
   std::string error;
 };
 

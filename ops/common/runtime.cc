@@ -2,6 +2,7 @@
 // call: it negotiates rounds with the coordinator and executes the answers in order.
 #include "runtime.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -85,6 +87,21 @@ void CopyBytes(void* dst, const void* src, size_t bytes) {
   if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
 }
 
+// What a joined rank contributes to an allreduce: the identity of `op`, so the result is the
+// reduction over the ranks that have data.
+void FillIdentity(DataType dtype, ReduceOp op, void* data, int64_t count) {
+  DispatchDataType(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using Acc = typename Arith<T>::Acc;
+    using Limits = std::numeric_limits<Acc>;
+    Acc value = 0;
+    if (op == ReduceOp::kProduct) value = 1;
+    if (op == ReduceOp::kMin) value = Limits::has_infinity ? Limits::infinity() : Limits::max();
+    if (op == ReduceOp::kMax) value = Limits::has_infinity ? -Limits::infinity() : Limits::lowest();
+    std::fill_n(static_cast<T*>(data), count, Arith<T>::Store(value));
+  });
+}
+
 class Runtime {
  public:
   ~Runtime() {
@@ -99,6 +116,7 @@ class Runtime {
   Status Init(intptr_t comm_handle);
   void Shutdown();
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
+  Status Join(int* last_joined_rank);
 
   bool initialized() const { return initialized_.load(); }
   int rank() const { return rank_.load(); }
@@ -119,13 +137,15 @@ class Runtime {
   bool RunRound(const RequestList& mine, bool* progressed);
   bool Execute(const Response& response);
   // Each returns the transport's status (a failure stops the runtime). Those that ask the
-  // framework for an output set `op` to the status the request completes with.
+  // framework for an output set `op` to the status the request completes with. No entries
+  // (a null entry): this rank has joined and takes part without data.
   Status RunAllreduce(const Response& response, const std::vector<CollectiveRequest*>& entries);
-  Status RunAllgather(const Response& response, CollectiveRequest& entry, Status* op);
-  Status RunBroadcast(const Response& response, CollectiveRequest& entry);
+  Status RunAllgather(const Response& response, CollectiveRequest* entry, Status* op);
+  Status RunBroadcast(const Response& response, CollectiveRequest* entry);
   Status RunAlltoall(const Response& response, CollectiveRequest& entry, Status* op);
   void* Scratch(size_t bytes, Status* op, Status* comm);
   void Complete(const std::vector<std::string>& names, const Status& status);
+  void FinishJoin(const Status& status, int last_joined_rank);
   void Stop(const std::string& reason, const MessageFor& message_for);
   void Log(const std::string& text) const;
 
@@ -145,8 +165,16 @@ class Runtime {
   std::unordered_set<std::string> pending_names_;  // queued or announced, not yet done
   bool shutdown_requested_ = false;
   std::string stopped_reason_;  // set once the background thread has stopped for good
+  // join(): kRequested by the caller, kAnnounced once sent to the coordinator, kDone (with
+  // join_status_ / join_last_) when every rank has joined or the runtime stopped.
+  enum class JoinState { kIdle, kRequested, kAnnounced, kDone };
+  JoinState join_state_ = JoinState::kIdle;
+  Status join_status_;
+  int join_last_ = -1;
+  std::condition_variable join_cv_;
 
   // Background thread only.
+  bool joined_ = false;  // this rank announced a join that has not finished yet
   std::unordered_map<std::string, CollectiveRequest> announced_;
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
   FusionBuffer fusion_;
@@ -186,12 +214,14 @@ Status Runtime::Init(intptr_t comm_handle) {
     coordinator_ = std::make_unique<Coordinator>(options);
   }
   announced_.clear();
+  joined_ = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.clear();
     pending_names_.clear();
     shutdown_requested_ = false;
     stopped_reason_.clear();
+    join_state_ = JoinState::kIdle;
   }
   thread_ = std::thread(&Runtime::Loop, this);
   initialized_ = true;
@@ -279,6 +309,42 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
   return statuses;
 }
 
+Status Runtime::Join(int* last_joined_rank) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::string on_rank = " on rank " + std::to_string(rank_);
+  if (!initialized_) {
+    return Status::Error("perseus_legacy has not been initialized: call perseus_legacy.init() "
+                         "before join()");
+  }
+  if (!stopped_reason_.empty()) {
+    return Status::Error("perseus_legacy: join() failed: " + stopped_reason_);
+  }
+  if (shutdown_requested_) {
+    return Status::Error("perseus_legacy: cannot join(): shutdown() was called" + on_rank);
+  }
+  if (join_state_ != JoinState::kIdle) {
+    return Status::Error("perseus_legacy: join() is already in progress" + on_rank);
+  }
+  join_state_ = JoinState::kRequested;
+  cv_.notify_one();
+  join_cv_.wait(lock, [this] { return join_state_ == JoinState::kDone; });
+  join_state_ = JoinState::kIdle;
+  *last_joined_rank = join_last_;
+  return join_status_;
+}
+
+void Runtime::FinishJoin(const Status& status, int last_joined_rank) {
+  joined_ = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (join_state_ == JoinState::kIdle || join_state_ == JoinState::kDone) return;
+    join_state_ = JoinState::kDone;
+    join_status_ = status;
+    join_last_ = last_joined_rank;
+  }
+  join_cv_.notify_all();
+}
+
 void Runtime::Loop() {
   const auto cycle = std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
   bool last_round_progressed = false;
@@ -286,15 +352,18 @@ void Runtime::Loop() {
     RequestList mine;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto has_news = [this] { return !queue_.empty() || shutdown_requested_; };
+      auto has_news = [this] {
+        return !queue_.empty() || shutdown_requested_ || join_state_ == JoinState::kRequested;
+      };
       // Idle ranks sleep until an arrival (negotiated at once: a lone request must not wait a
       // cycle) or the heartbeat. Ranks with requests outstanding keep joining rounds, since the
       // other ranks' submissions arrive only through rounds: at once after a round in which
       // something happened (the rest of a burst is likely on its way, and a rank that arrives
       // late must not then wait a cycle for the ranks that were early), otherwise paced by the
-      // cycle time, which also batches the arrivals in between into one round.
+      // cycle time, which also batches the arrivals in between into one round. A joined rank
+      // waits on the others' submissions like a rank with requests outstanding.
       if (!has_news()) {
-        if (announced_.empty()) {
+        if (announced_.empty() && !joined_) {
           cv_.wait_for(lock, kHeartbeat, has_news);
         } else if (!last_round_progressed) {
           cv_.wait_for(lock, cycle, has_news);
@@ -307,6 +376,10 @@ void Runtime::Loop() {
       }
       queue_.clear();
       mine.shutting_down = shutdown_requested_;
+      if (join_state_ == JoinState::kRequested) {
+        join_state_ = JoinState::kAnnounced;
+        mine.joined = joined_ = true;
+      }
     }
     if (!RunRound(mine, &last_round_progressed)) return;
   }
@@ -368,6 +441,9 @@ bool Runtime::RunRound(const RequestList& mine, bool* progressed) {
       case ResponseType::kFatal:
         Stop(response.error, [&](const std::string&) { return response.error; });
         return false;
+      case ResponseType::kJoin:
+        FinishJoin(Status::OK(), response.root_rank);
+        break;
       case ResponseType::kError: {
         std::vector<std::string> mine_failed;
         for (const std::string& name : response.names) {
@@ -384,8 +460,11 @@ bool Runtime::RunRound(const RequestList& mine, bool* progressed) {
 }
 
 bool Runtime::Execute(const Response& response) {
+  const bool without_data = std::find(response.joined_ranks.begin(), response.joined_ranks.end(),
+                                      rank_.load()) != response.joined_ranks.end();
   std::vector<CollectiveRequest*> entries;
   for (const std::string& name : response.names) {
+    if (without_data) break;
     auto it = announced_.find(name);
     if (it == announced_.end()) {
       const std::string reason = "internal error: the coordinator scheduled \"" + name +
@@ -396,12 +475,15 @@ bool Runtime::Execute(const Response& response) {
     entries.push_back(&it->second);
   }
 
+  CollectiveRequest* entry = entries.empty() ? nullptr : entries.front();
   Status op, comm;
   switch (response.type) {
     case ResponseType::kAllreduce: comm = RunAllreduce(response, entries); break;
-    case ResponseType::kAllgather: comm = RunAllgather(response, *entries.front(), &op); break;
-    case ResponseType::kBroadcast: comm = RunBroadcast(response, *entries.front()); break;
-    case ResponseType::kAlltoall: comm = RunAlltoall(response, *entries.front(), &op); break;
+    case ResponseType::kAllgather: comm = RunAllgather(response, entry, &op); break;
+    case ResponseType::kBroadcast: comm = RunBroadcast(response, entry); break;
+    case ResponseType::kAlltoall:  // the coordinator never runs it without every rank's data
+      comm = entry ? RunAlltoall(response, *entry, &op) : Status::Error("alltoall without data");
+      break;
     default: comm = Status::Error("unknown response type");
   }
   if (!comm.ok()) {
@@ -412,7 +494,7 @@ bool Runtime::Execute(const Response& response) {
     });
     return false;
   }
-  Complete(response.names, op);
+  if (!without_data) Complete(response.names, op);
   return true;
 }
 
@@ -420,15 +502,28 @@ Status Runtime::RunAllreduce(const Response& response,
                              const std::vector<CollectiveRequest*>& entries) {
   const DataType dtype = response.dtype;
   const size_t item = DataTypeSize(dtype);
-  // Average is a Sum followed by a division: folded into the postscale for floating point;
-  // integers divide exactly afterwards (truncating toward zero, like C).
+  if (entries.empty()) {
+    // Joined: the identity of the op, so that the others reduce over the ranks with data.
+    int64_t total = 0;
+    for (int64_t count : response.sizes) total += count;
+    void* buffer = fusion_.Get(total * item);
+    if (buffer == nullptr) {
+      return Status::Error("out of memory for a " + std::to_string(total * item) +
+                           "-byte buffer of a joined rank");
+    }
+    FillIdentity(dtype, response.reduce_op, buffer, total);
+    return controller_->Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+  }
+  // Average is a Sum followed by a division by the ranks that contributed data: folded into the
+  // postscale for floating point; integers divide exactly afterwards (truncating toward zero).
+  const int64_t contributors = size_ - static_cast<int64_t>(response.joined_ranks.size());
   const bool integer_average =
       response.reduce_op == ReduceOp::kAverage && IsIntegerType(dtype);
   double postscale = response.postscale_factor;
-  if (response.reduce_op == ReduceOp::kAverage && !integer_average) postscale /= size_;
+  if (response.reduce_op == ReduceOp::kAverage && !integer_average) postscale /= contributors;
   const double prescale = response.prescale_factor;
   auto finish = [&](void* data, int64_t count) {
-    if (integer_average) DivideIntegers(dtype, data, count, size_);
+    if (integer_average) DivideIntegers(dtype, data, count, contributors);
     if (postscale != 1.0) ScaleBuffer(dtype, data, data, count, postscale);
   };
 
@@ -487,26 +582,37 @@ void* Runtime::Scratch(size_t bytes, Status* op, Status* comm) {
   return scratch;
 }
 
-Status Runtime::RunAllgather(const Response& response, CollectiveRequest& e, Status* op) {
-  std::vector<int64_t> out_shape = e.shape;
+Status Runtime::RunAllgather(const Response& response, CollectiveRequest* e, Status* op) {
+  std::vector<int64_t> out_shape = e ? e->shape : response.shape;
   out_shape[0] = 0;
   for (int64_t rows : response.sizes) out_shape[0] += rows;
-  const size_t row_bytes = NumElements(std::vector<int64_t>(e.shape.begin() + 1, e.shape.end())) *
-                           DataTypeSize(response.dtype);
+  const size_t row_bytes =
+      NumElements(std::vector<int64_t>(out_shape.begin() + 1, out_shape.end())) *
+      DataTypeSize(response.dtype);
   const size_t total_bytes = out_shape[0] * row_bytes;
   void* out = nullptr;
-  *op = e.allocate_output(out_shape, &out);
+  // A joined rank sends no rows and receives into scratch.
+  *op = e ? e->allocate_output(out_shape, &out) : Status::Error("this rank has joined");
   Status comm;
   if (!op->ok()) out = Scratch(total_bytes, op, &comm);
   if (!comm.ok() || total_bytes == 0) return comm;
-  return controller_->Allgatherv(e.input, out, response.sizes, row_bytes);
+  return controller_->Allgatherv(e ? e->input : out, out, response.sizes, row_bytes);
 }
 
-Status Runtime::RunBroadcast(const Response& response, CollectiveRequest& e) {
-  const int64_t bytes = NumElements(e.shape) * DataTypeSize(response.dtype);
-  if (rank_ == response.root_rank) CopyBytes(e.output, e.input, bytes);
+Status Runtime::RunBroadcast(const Response& response, CollectiveRequest* e) {
+  const int64_t bytes =
+      NumElements(e ? e->shape : response.shape) * DataTypeSize(response.dtype);
   if (bytes == 0) return Status::OK();
-  return controller_->Broadcast(e.output, bytes, response.root_rank);
+  void* out = nullptr;
+  if (e == nullptr) {  // joined, and not the root (the coordinator checked): receive into scratch
+    Status op = Status::Error("this rank has joined"), comm;
+    out = Scratch(bytes, &op, &comm);
+    if (!comm.ok()) return comm;
+  } else {
+    out = e->output;
+    if (rank_ == response.root_rank) CopyBytes(out, e->input, bytes);
+  }
+  return controller_->Broadcast(out, bytes, response.root_rank);
 }
 
 Status Runtime::RunAlltoall(const Response& response, CollectiveRequest& e, Status* op) {
@@ -559,6 +665,7 @@ void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
   for (auto& [name, request] : announced_) request.done(Status::Error(message_for(name)));
   announced_.clear();
   for (CollectiveRequest& request : queued) request.done(Status::Error(message_for(request.name)));
+  FinishJoin(Status::Error("perseus_legacy: join() failed: " + reason), -1);
 }
 
 void Runtime::Log(const std::string& text) const {
@@ -588,5 +695,6 @@ Status Enqueue(CollectiveRequest request) {
 std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
   return State().EnqueueAll(std::move(requests));
 }
+Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
 
 }  // namespace perseus

@@ -43,6 +43,13 @@ std::string ControllerName();  // "mpi"
 // or if a request with the same name is already pending on this rank.
 Status Enqueue(CollectiveRequest request);
 
+// Tells the other ranks that this rank has no more data, then blocks until every rank has called
+// Join. Meanwhile this rank takes part in the other ranks' collectives with a neutral
+// contribution (see the README). On success every rank gets the same `last_joined_rank`: the
+// rank whose Join arrived last. Fails, naming the rank, when a rank shuts down or the
+// transport fails, and when a Join is already in progress on this rank.
+Status Join(int* last_joined_rank);
+
 // Enqueue for several requests with a single wake-up of the background thread (grouped ops).
 // Element i is what Enqueue would have returned for requests[i].
 std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);

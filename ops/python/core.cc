@@ -286,6 +286,21 @@ PYBIND11_MODULE(_core, m) {
     return info;
   });
 
+  m.def(
+      "join",
+      [] {
+        RequireInitialized("join");
+        int last_joined_rank = -1;
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = Join(&last_joined_rank);
+        }
+        if (!s.ok()) throw std::runtime_error(s.message());
+        return last_joined_rank;
+      },
+      "Blocks until every rank has called join() (this rank has no more data; it takes part in "
+      "the others' collectives without data meanwhile); returns the rank that joined last.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("name"), py::arg("op") = 0,
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
         "Reduces `array` over all ranks (op: Average=0, Sum=1, Min=2, Max=3, Product=4).");

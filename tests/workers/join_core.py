@@ -1,0 +1,165 @@
+"""join() with the numpy collectives of perseus_legacy._core, checked against numpy.
+
+Phase 1: rank r runs 5 + 3r allreduce steps, then joins; each step's result is numpy's mean over
+the ranks still running. Phase 2 (join again in the same job): the last rank joins at once and
+the others run every reduce op, fused and prescaled allreduces, allgather, broadcast and the
+errors for a joined broadcast root and for alltoall. Phase 3: a request submitted before joining
+keeps its data. Phase 4: the last rank shuts down while the others are in join().
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+from worker_util import assert_close, fail, rank_data
+
+import perseus_legacy as pl
+from perseus_legacy import _core
+
+SHAPE = (3, 4)
+
+
+def steps_of(r: int) -> int:
+    return 5 + 3 * r
+
+
+def expect_error(rank: int, what: str, call, *needles: str) -> None:
+    try:
+        call()
+    except RuntimeError as exc:
+        for needle in needles:
+            if needle not in str(exc):
+                fail(rank, f"{what}: the error does not say {needle!r}: {exc}")
+        print(f"[rank {rank}] {what}: got the expected error: {exc}", flush=True)
+    else:
+        fail(rank, f"{what}: no error")
+
+
+def check_join_returns(rank: int, what: str, expected_last: int) -> None:
+    last = pl.join()
+    if last != expected_last:
+        fail(rank, f"{what}: join() returned {last}, expected the last rank to join, "
+                   f"{expected_last}")
+
+
+def uneven_steps(rank: int, size: int) -> None:
+    for step in range(steps_of(rank)):
+        got = _core.allreduce(rank_data(rank, SHAPE, np.float32, seed=step), f"uneven.{step}")
+        running = [r for r in range(size) if steps_of(r) > step]
+        expected = np.mean([rank_data(r, SHAPE, np.float32, seed=step) for r in running], axis=0)
+        assert_close(rank, f"uneven step {step} (ranks {running} running)", got,
+                     expected.astype(np.float32), rtol=1e-6)
+    # Rank size-1 runs the most steps: its last ones are ready only once the others have joined.
+    check_join_returns(rank, "uneven steps", size - 1)
+
+
+def with_a_joined_rank(rank: int, size: int) -> None:
+    joined = size - 1
+    if rank == joined:
+        check_join_returns(rank, "a joined rank", 0)
+        return
+    running = list(range(size - 1))
+    data = {r: rank_data(r, SHAPE, np.float32, seed=100) for r in running}
+    stacked = np.stack([data[r].astype(np.float64) for r in running])
+    for op, expected in ((pl.Sum, stacked.sum(0)), (pl.Min, stacked.min(0)),
+                         (pl.Max, stacked.max(0)), (pl.Product, stacked.prod(0)),
+                         (pl.Average, stacked.mean(0))):
+        got = _core.allreduce(data[rank], f"joined.op{op}", op=op)
+        assert_close(rank, f"op {pl.basics.REDUCE_OP_NAMES[op]} with rank {joined} joined", got,
+                     expected.astype(np.float32), rtol=1e-6)
+    ints = {r: rank_data(r, (5,), np.int32, seed=101) for r in running}
+    got = _core.allreduce(ints[rank], "joined.int_average", op=pl.Average)
+    expected = np.trunc(np.sum([ints[r] for r in running], axis=0) / len(running))
+    assert_close(rank, "int32 Average over the ranks with data", got, expected.astype(np.int32))
+    got = _core.allreduce(data[rank], "joined.scaled", op=pl.Average, prescale_factor=2.0,
+                          postscale_factor=0.5)
+    assert_close(rank, "prescaled / postscaled Average", got,
+                 stacked.mean(0).astype(np.float32), rtol=1e-6)
+    fused = _core.grouped_allreduce([data[rank], 2 * data[rank], data[rank][:1]],
+                                    ["joined.g0", "joined.g1", "joined.g2"], op=pl.Sum)
+    for i, (got, factor, rows) in enumerate(zip(fused, (1, 2, 1), (3, 3, 1))):
+        assert_close(rank, f"fused Sum {i}", got,
+                     (factor * stacked.sum(0)[:rows]).astype(np.float32), rtol=1e-6)
+
+    rows = rank_data(rank, (rank + 1, 2), np.float64, seed=102)
+    got = _core.allgather(rows, "joined.gather")
+    expected = np.concatenate([rank_data(r, (r + 1, 2), np.float64, seed=102) for r in running])
+    assert_close(rank, "allgather without the joined rank's rows", got, expected)
+    got = _core.broadcast(data[rank], 0, "joined.bcast")
+    assert_close(rank, "broadcast from a rank with data", got, data[0])
+    expect_error(rank, "broadcast from a joined root",
+                 lambda: _core.broadcast(data[rank], joined, "joined.bcast_root"),
+                 '"joined.bcast_root"', f"root_rank {joined} has joined")
+    expect_error(rank, "alltoall while a rank has joined",
+                 lambda: _core.alltoall(np.ones((size, 2)), "joined.a2a"),
+                 '"joined.a2a"', f"ranks [{joined}] have joined")
+    # Rank 0 joins last: rank 1 (with 3 ranks) joins first and rank 0 reduces alone meanwhile.
+    if rank != 0:
+        check_join_returns(rank, "a joined rank", 0)
+        return
+    if size == 3:
+        got = _core.allreduce(data[0], "joined.alone", op=pl.Average)
+        assert_close(rank, "Average with only rank 0 left", got, data[0])
+    check_join_returns(rank, "a joined rank", 0)
+
+
+def submitted_before_joining(rank: int, size: int) -> None:
+    """The last rank submits "pre" (with "sync") from a thread, then joins; "pre" keeps its data."""
+    last = size - 1
+    x = rank_data(rank, SHAPE, np.float64, seed=103)
+    if rank == last:
+        result = {}
+        pre = threading.Thread(target=lambda: result.update(zip(
+            ("pre", "sync"), _core.grouped_allreduce([x, x], ["pre.x", "pre.sync"], op=pl.Sum))))
+        pre.start()
+        # "go" completes only after the others completed "pre.sync": "pre.x" is queued by then.
+        _core.allreduce(x, "pre.go")
+        check_join_returns(rank, "submitted before joining", 0)
+        pre.join()
+        got = result.get("pre")
+    else:
+        _core.allreduce(x, "pre.sync", op=pl.Sum)
+        _core.allreduce(x, "pre.go")
+        got = _core.allreduce(x, "pre.x", op=pl.Sum)
+        if rank != 0:
+            check_join_returns(rank, "submitted before joining", 0)
+        else:
+            # Rank 0 joins last: the others' joins are the only reason its next step completes.
+            _core.allreduce(x, "pre.after", op=pl.Sum)
+            check_join_returns(rank, "submitted before joining", 0)
+    expected = np.sum([rank_data(r, SHAPE, np.float64, seed=103) for r in range(size)], axis=0)
+    assert_close(rank, "a request submitted before joining uses the joined rank's data", got,
+                 expected)
+
+
+def shutdown_while_others_join(rank: int, size: int) -> None:
+    leaver = size - 1
+    if rank == leaver:
+        _core.shutdown()
+        return
+    expect_error(rank, "join while a rank shuts down", pl.join, f"rank {leaver} shut down")
+
+
+def main() -> None:
+    try:
+        pl.join()
+    except pl.NotInitializedError as exc:
+        if "init()" not in str(exc):
+            fail(-1, f"join before init: unhelpful message {exc}")
+    else:
+        fail(-1, "join before init did not raise NotInitializedError")
+    pl.init()
+    rank, size = pl.rank(), pl.size()
+    uneven_steps(rank, size)
+    with_a_joined_rank(rank, size)
+    submitted_before_joining(rank, size)
+    got = _core.allreduce(np.full(2, rank + 1.0), "after.joins", op=pl.Sum)
+    assert_close(rank, "a normal allreduce after the joins", got,
+                 np.full(2, size * (size + 1) / 2.0))
+    shutdown_while_others_join(rank, size)
+    print(f"[rank {rank}] join core OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
