@@ -27,6 +27,17 @@ from worker_util import assert_close, fail
 SHORT, LONG = 4, 6
 
 
+class ReadAtEnd(tf.compat.v1.train.SessionRunHook):
+    """Reads tensors in end(), after the hooks before it (a rank whose input ended leaves the
+    `with` block through the OutOfRangeError MonitoredSession swallows)."""
+
+    def __init__(self, tensors: list) -> None:
+        self.tensors, self.values = tensors, None
+
+    def end(self, session) -> None:
+        self.values = session.run(self.tensors)
+
+
 def batches(scenario: str, rank: int, size: int) -> int:
     short_rank = {"short-first": 0, "short-last": size - 1}.get(scenario)
     return SHORT if rank == short_rank else LONG
@@ -45,7 +56,8 @@ def main() -> None:
         _, _, loss, global_step, variables = build_model(initial_values(rank), 7 * rank, inputs)
         train = OPTIMIZERS["adam"]().minimize(loss, global_step=global_step)
         hook = pl.SyncReplicasHook()
-        hooks = [hook]
+        final = ReadAtEnd(variables + [global_step])
+        hooks = [hook, final]
         if scenario == "stop-hook" and rank == size - 1:
             hooks.append(tf.compat.v1.train.StopAtStepHook(last_step=SHORT))
         runs = 0
@@ -56,7 +68,7 @@ def main() -> None:
             while not sess.should_stop():
                 sess.run(train)
                 runs += 1
-            final = sess._tf_sess().run(variables + [global_step])
+    final = final.values
     what = f"{scenario}, {count} batches here"
     if runs > LONG:
         fail(rank, f"{what}: {runs} steps ran, more than any rank's data")
