@@ -3,6 +3,10 @@ global batch; the callbacks (broadcast, metric average, warmup, backup/restore) 
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
+import pytest
 from harness import run_ranks
 
 
@@ -18,3 +22,71 @@ def test_keras_fit_on_3_ranks_equals_single_process_fit():
     out = run_ranks(3, "tests/workers/keras_fit.py", *cases, timeout=300).stdout
     for case in cases:
         assert f"{case}: same weights as single-process fit on the global batch" in out, out
+
+
+@pytest.fixture(scope="module")
+def callbacks_run(tmp_path_factory) -> list:
+    """Every rank's record of tests/workers/keras_callbacks.py on 2 ranks (one launch)."""
+    shared = tmp_path_factory.mktemp("keras_callbacks")
+    run_ranks(2, "tests/workers/keras_callbacks.py", shared, timeout=300)
+    return [json.loads((shared / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def test_warmup_callback_sets_goyal_learning_rate_and_corrected_momentum_every_batch(
+        callbacks_run):
+    for seen in callbacks_run:
+        w = seen["warmup"]
+        size, steps, epochs, lr = seen["size"], w["steps_per_epoch"], w["warmup_epochs"], \
+            w["initial_lr"]
+        progress = np.array([e + b / steps for e in range(epochs + 1) for b in range(steps)])
+        expected_lr = lr * np.minimum(1.0, (progress * (size - 1) / epochs + 1) / size)
+        assert expected_lr[0] == pytest.approx(lr / size) and expected_lr[-1] == lr
+        np.testing.assert_allclose(w["lr"], expected_lr, rtol=1e-6)
+        previous = np.concatenate([[w["lr_before"]], expected_lr[:-1]])
+        expected_momentum = w["base_momentum"] * expected_lr / previous
+        np.testing.assert_allclose(w["momentum"], expected_momentum, rtol=1e-6)
+        assert w["momentum_after"] == pytest.approx(w["base_momentum"])
+
+
+def test_metric_average_callback_gives_the_mean_of_every_ranks_metrics(callbacks_run):
+    raw = [seen["metric_average"]["raw"] for seen in callbacks_run]
+    assert raw[0][0]["loss"] != raw[1][0]["loss"], "ranks must see different data"
+    for seen in callbacks_run:
+        averaged = seen["metric_average"]["averaged"]
+        history = seen["metric_average"]["history"]
+        assert len(averaged) == len(raw[0]) == 2
+        for epoch, logs in enumerate(averaged):
+            assert set(logs) == {"loss", "accuracy"}
+            for key, value in logs.items():
+                expected = np.mean([rank_raw[epoch][key] for rank_raw in raw])
+                assert value == pytest.approx(expected, rel=1e-6), (epoch, key)
+                assert history[key][epoch] == pytest.approx(expected, rel=1e-6), (epoch, key)
+
+
+def test_broadcast_callback_makes_different_initial_weights_rank_0s(callbacks_run):
+    initial = [np.array(seen["broadcast"]["initial"]) for seen in callbacks_run]
+    assert not np.allclose(initial[0], initial[1]), "ranks must start from other weights"
+    for seen in callbacks_run:
+        np.testing.assert_array_equal(seen["broadcast"]["first_batch"], initial[0])
+
+
+def test_backup_and_restore_resumes_every_rank_at_the_stopped_epoch_from_rank_0s_backup(
+        callbacks_run):
+    for seen in callbacks_run:
+        b = seen["backup"]
+        assert b["stopped_run"] == [0, 1, 2]
+        assert b["resumed_run"] == [2, 3]  # epochs 0 and 1 came from the backup
+        assert b["backup_dirs_after_stop"] == ["backup-rank0"]  # only rank 0 wrote
+        assert b["backup_left_after_resume"] is False  # deleted when fit completed
+        # Rank 1 restored nothing itself and started from other random weights.
+        np.testing.assert_allclose(b["resumed"], b["uninterrupted"], rtol=1e-5, atol=1e-6)
+
+
+def test_load_model_rewraps_the_optimizer_with_its_state(callbacks_run):
+    for seen in callbacks_run:
+        loaded = seen["load_model"]
+        assert loaded["plain_is_distributed"] is False  # saved as a plain Adam
+        assert loaded["loaded_is_distributed"] is True and loaded["loaded_class"] == "Adam"
+        assert loaded["iterations_loaded"] == loaded["iterations_saved"] > 0
+    # One more distributed epoch after loading equals two single-process epochs.
+    assert callbacks_run[0]["load_model"]["max_diff_to_single_process"] < 1e-5

@@ -31,17 +31,23 @@ def _optimizer_variables(optimizer: Any, model: Any) -> list:
     return list(optimizer.variables)
 
 
+def _broadcast_values(values: list, root_rank: int) -> list:
+    return [ops.broadcast(value, root_rank, name=f"broadcast_{i}")
+            for i, value in enumerate(values)]
+
+
+# One function: every broadcast is in flight at once instead of one round trip each.
+_broadcast_function = tf.function(_broadcast_values, autograph=False, reduce_retracing=True)
+
+
 def broadcast_variables(variables: list, root_rank: int) -> None:
     """Assigns `root_rank`'s value of every variable to it, on every rank (eagerly, fused)."""
     basics.require_initialized("perseus_legacy.keras.broadcast_variables()")
     unique = list({id(v): v for v in variables}.values())
-
-    def assign_all() -> None:
-        for var in unique:
-            var.assign(ops.broadcast(var, root_rank, name="broadcast_" + var.name.split(":")[0]))
-
-    # One function: every broadcast is in flight at once instead of one round trip each.
-    tf.function(assign_all, autograph=False)()
+    if unique:
+        for var, value in zip(unique, _broadcast_function([v.value() for v in unique],
+                                                          int(root_rank))):
+            var.assign(value)
 
 
 def broadcast_model(model: Any, root_rank: int = 0) -> None:
