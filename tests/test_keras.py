@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 from harness import run_ranks
+from test_examples import accuracy_of
 
 
 def test_keras_fit_on_2_ranks_equals_single_process_fit_graph_and_eager():
@@ -90,3 +91,11 @@ def test_load_model_rewraps_the_optimizer_with_its_state(callbacks_run):
         assert loaded["iterations_loaded"] == loaded["iterations_saved"] > 0
     # One more distributed epoch after loading equals two single-process epochs.
     assert callbacks_run[0]["load_model"]["max_diff_to_single_process"] < 1e-5
+
+
+def test_keras_fit_example_trains_above_chance_and_rank_0_saves(tmp_path):
+    out = run_ranks(2, "examples/keras_fit.py", "--smoke", "--model-dir", tmp_path,
+                    timeout=240).stdout
+    assert "ranks: 2  epochs: 2" in out, out
+    assert accuracy_of(out) > 0.3, out
+    assert (tmp_path / "model.keras").is_file(), sorted(p.name for p in tmp_path.iterdir())

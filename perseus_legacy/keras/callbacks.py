@@ -18,6 +18,9 @@ from tf_keras.src.utils import io_utils
 from perseus_legacy import basics, ops
 from perseus_legacy.basics import Average
 
+__all__ = ["BackupAndRestore", "BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback", "broadcast_model", "broadcast_variables"]
+
 
 def _optimizer_variables(optimizer: Any, model: Any) -> list:
     """The optimizer's variables, creating its slots first if no step has run yet."""
