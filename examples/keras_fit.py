@@ -34,7 +34,8 @@ def main():
     hvd.init()  # perseus_legacy
     model_dir = args.model_dir or tempfile.mkdtemp(prefix="keras_fit_")
     x_train, y_train, x_test, y_test = digits.load(args.data)
-    shard = slice(hvd.rank(), None, hvd.size())  # perseus_legacy: every size()-th example
+    # perseus_legacy: every size()-th example; equal shards, so every rank runs as many steps
+    shard = slice(hvd.rank(), len(x_train) // hvd.size() * hvd.size(), hvd.size())
     x_train, y_train = x_train[shard], y_train[shard]  # perseus_legacy
     classes = int(max(y_train.max(), y_test.max())) + 1
 

@@ -22,6 +22,14 @@ __all__ = ["BackupAndRestore", "BroadcastGlobalVariablesCallback", "LearningRate
            "MetricAverageCallback", "broadcast_model", "broadcast_variables"]
 
 
+def _require_eager(what: str) -> None:
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            f"{what} runs eagerly, as tf-keras does in TensorFlow 2; with "
+            "tf.compat.v1.disable_eager_execution() Keras trains in a TF1 graph: use "
+            "perseus_legacy.broadcast_global_variables(0) in that session instead")
+
+
 def _optimizer_variables(optimizer: Any, model: Any) -> list:
     """The optimizer's variables, creating its slots first if no step has run yet."""
     if optimizer is None or not model.built or not model.trainable_variables:
@@ -46,6 +54,7 @@ _broadcast_function = tf.function(_broadcast_values, autograph=False, reduce_ret
 def broadcast_variables(variables: list, root_rank: int) -> None:
     """Assigns `root_rank`'s value of every variable to it, on every rank (eagerly, fused)."""
     basics.require_initialized("perseus_legacy.keras.broadcast_variables()")
+    _require_eager("perseus_legacy.keras.broadcast_variables()")
     unique = list({id(v): v for v in variables}.values())
     if unique:
         for var, value in zip(unique, _broadcast_function([v.value() for v in unique],
@@ -107,6 +116,7 @@ class MetricAverageCallback(tf_keras.callbacks.Callback):
         """Averages the numeric entries of `logs` in place."""
         if not logs:
             return
+        _require_eager("MetricAverageCallback")
         keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0
                       and np.issubdtype(np.asarray(v).dtype, np.number))
         values = [tf.constant(float(logs[k]), tf.float64) for k in keys]
