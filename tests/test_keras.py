@@ -12,7 +12,10 @@ from test_examples import accuracy_of
 
 
 def test_keras_fit_on_2_ranks_equals_single_process_fit_graph_and_eager():
-    cases = ("sgd:graph", "adam:graph", "momentum:eager", "legacy_adam:eager")
+    """Dense and embedding (sparse) gradients, 2 epochs: rtol 1e-5, atol 1e-6 (fp16 compression:
+    rtol 2e-2, atol 2e-3)."""
+    cases = ("sgd:graph", "adam:graph", "momentum:eager", "legacy_adam:eager", "sgd:graph:fp16",
+             "adam:eager:sparse_as_dense+predivide")
     out = run_ranks(2, "tests/workers/keras_fit.py", *cases, timeout=300).stdout
     for case in cases:
         assert f"{case}: same weights as single-process fit on the global batch" in out, out
@@ -99,3 +102,60 @@ def test_keras_fit_example_trains_above_chance_and_rank_0_saves(tmp_path):
     assert "ranks: 2  epochs: 2" in out, out
     assert accuracy_of(out) > 0.3, out
     assert (tmp_path / "model.keras").is_file(), sorted(p.name for p in tmp_path.iterdir())
+
+
+# Single process, no ranks (this pytest process never initialises MPI).
+
+@pytest.fixture(scope="module")
+def keras_api():
+    import perseus_legacy.keras as hvd  # noqa: I001 (first: it selects tf-keras)
+    import tf_keras
+
+    assert not hvd.is_initialized()
+    return hvd, tf_keras
+
+
+def test_distributed_optimizer_keeps_the_class_and_config_and_rejects_bad_arguments(keras_api):
+    hvd, tf_keras = keras_api
+    import tensorflow as tf
+
+    for plain in (tf_keras.optimizers.SGD(0.3, momentum=0.5, nesterov=True),
+                  tf_keras.optimizers.legacy.Adam(0.02, beta_1=0.8)):
+        wrapped = hvd.DistributedOptimizer(plain, compression=hvd.Compression.fp16)
+        assert isinstance(wrapped, type(plain)) and wrapped is not plain
+        assert type(wrapped).__name__ == type(plain).__name__
+        assert wrapped.get_config() == plain.get_config()
+        with pytest.raises(ValueError, match="already distributed"):
+            hvd.DistributedOptimizer(wrapped)
+    with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf_keras.optimizers.SGD(), backward_passes_per_step=2)
+    with pytest.raises(TypeError, match="perseus_legacy.DistributedOptimizer"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    with pytest.raises(ValueError, match="gradient_predivide_factor needs op=Average"):
+        hvd.DistributedOptimizer(tf_keras.optimizers.SGD(), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+
+
+def test_keras_3_optimizer_is_rejected_with_a_hint(keras_api):
+    hvd, _ = keras_api
+    keras3 = pytest.importorskip("keras")
+    if not keras3.__version__.startswith("3."):
+        pytest.skip(f"keras {keras3.__version__} is not Keras 3")
+    with pytest.raises(TypeError, match="Keras 3 optimizer"):
+        hvd.DistributedOptimizer(keras3.optimizers.SGD(0.1))
+
+
+@pytest.mark.parametrize("filename", ["model.keras", "model.h5"])
+def test_saved_model_names_the_plain_optimizer_and_load_model_rewraps_it(keras_api, tmp_path,
+                                                                        filename):
+    hvd, tf_keras = keras_api
+    model = tf_keras.Sequential([tf_keras.layers.Input((3,)), tf_keras.layers.Dense(2)])
+    model.compile(hvd.DistributedOptimizer(tf_keras.optimizers.Adam(0.05)), "mse")
+    model.optimizer.build(model.trainable_variables)
+    model.save(tmp_path / filename)
+    plain = tf_keras.models.load_model(tmp_path / filename)
+    assert type(plain.optimizer) is tf_keras.optimizers.Adam  # loads without perseus_legacy
+    loaded = hvd.load_model(str(tmp_path / filename))
+    assert isinstance(loaded.optimizer, tf_keras.optimizers.Adam)
+    assert type(loaded.optimizer) is not tf_keras.optimizers.Adam  # the distributed subclass
+    assert loaded.optimizer.get_config() == plain.optimizer.get_config()

@@ -2,8 +2,9 @@
 
 Every rank builds the model from the same seed and fits on its shard (BATCH rows a step); rank 0
 then fits a plain tf-keras copy of the initial model on the whole data set with the global batch
-BATCH * size() and compares the final weights (RTOL, ATOL: float32, another summation order).
-argv[1:]: cases "<optimizer>:<graph|eager>".
+BATCH * size() and compares the final weights (RTOL, ATOL: float32, another summation order;
+FP16_RTOL, FP16_ATOL with gradients sent as float16). argv[1:]: cases
+"<optimizer>:<graph|eager>[:<option>+...]", options fp16, sparse_as_dense, predivide.
 """
 
 from __future__ import annotations  # noqa: I001
@@ -17,13 +18,22 @@ import numpy as np
 
 EPOCHS = 2
 RTOL, ATOL = 1e-5, 1e-6
+FP16_RTOL, FP16_ATOL = 2e-2, 2e-3
+OPTIONS = {
+    "fp16": {"compression": hvd.Compression.fp16},
+    "sparse_as_dense": {"sparse_as_dense": True},
+    "predivide": {"gradient_predivide_factor": 2.0},
+}
 
 
 def check(case: str) -> None:
-    name, mode = case.split(":")
+    name, mode, *options = case.split(":")
+    options = options[0].split("+") if options else []
+    kwargs = {k: v for option in options for k, v in OPTIONS[option].items()}
+    rtol, atol = (FP16_RTOL, FP16_ATOL) if "fp16" in options else (RTOL, ATOL)
     m = kc.model(0)
     initial = m.get_weights()
-    kc.compile_model(m, hvd.DistributedOptimizer(kc.OPTIMIZERS[name]()),
+    kc.compile_model(m, hvd.DistributedOptimizer(kc.OPTIMIZERS[name](), **kwargs),
                      run_eagerly=mode == "eager")
     inputs, y = kc.shard(*kc.data())
     m.fit(list(inputs), y, batch_size=kc.BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
@@ -34,9 +44,9 @@ def check(case: str) -> None:
         if moved < 1e-2:
             kc.fail(f"{case}: the reference barely trained (max change {moved})")
         for i, (got, want) in enumerate(zip(m.get_weights(), expected)):
-            if not np.allclose(got, want, rtol=RTOL, atol=ATOL):
+            if not np.allclose(got, want, rtol=rtol, atol=atol):
                 kc.fail(f"{case}: weight {i} differs from single-process fit by "
-                        f"{np.abs(got - want).max()} (rtol={RTOL}, atol={ATOL})")
+                        f"{np.abs(got - want).max()} (rtol={rtol}, atol={atol})")
         print(f"{case}: same weights as single-process fit on the global batch", flush=True)
     kc.barrier(case)
 
