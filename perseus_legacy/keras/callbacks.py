@@ -13,7 +13,6 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from tf_keras.src.utils import io_utils
 
 from perseus_legacy import basics, ops
 from perseus_legacy.basics import Average
@@ -192,8 +191,8 @@ class LearningRateWarmupCallback(tf_keras.callbacks.Callback):
             self._restore_momentum = float(tf_keras.backend.get_value(momentum))
             tf_keras.backend.set_value(momentum, self._restore_momentum * new_lr / old_lr)
         if progress == self.warmup_epochs and self.verbose > 0:
-            io_utils.print_msg(f"\nEpoch {self._epoch + 1}: learning rate warmup done, "
-                               f"lr is {new_lr:g}.")
+            print(f"\nEpoch {self._epoch + 1}: learning rate warmup done, lr is {new_lr:g}.",
+                  flush=True)
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         """Restores the momentum after a corrected batch."""
