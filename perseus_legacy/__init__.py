@@ -50,5 +50,4 @@ from perseus_legacy.hooks import (  # noqa: F401
     broadcast_variables,
 )
 from perseus_legacy.optimizer import DistributedOptimizer, SyncReplicasOptimizer  # noqa: F401
-
-__version__ = "0.1.0"
+from perseus_legacy._version import __version__  # noqa: F401

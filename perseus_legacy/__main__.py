@@ -27,7 +27,8 @@ def _section(title: str, probe: Callable[[], Any]) -> None:
 
 
 def _version() -> str:
-    return str(importlib.import_module("perseus_legacy").__version__)
+    package = importlib.import_module("perseus_legacy")
+    return f"{package.__version__} ({os.path.dirname(package.__file__)})"
 
 
 def _python() -> str:
@@ -56,6 +57,24 @@ def _keras() -> str:
 def _core() -> str:
     core = importlib.import_module("perseus_legacy._core")
     return f"loaded ({core.__file__})"
+
+
+def _tf_ops() -> str:
+    importlib.import_module("perseus_legacy.ops")._op_library()
+    return "loaded into TensorFlow"
+
+
+def _mpirun() -> str:
+    launch = importlib.import_module("perseus_legacy.runner.launch")
+    return str(launch.find_mpirun(dict(os.environ)))
+
+
+def _keras_integration() -> str:
+    keras = importlib.import_module("perseus_legacy.keras")
+    import tf_keras
+
+    names = ", ".join(c for c in keras.callbacks.__all__ if c[0].isupper())
+    return f"perseus_legacy.keras ready for tf-keras {tf_keras.__version__} (callbacks: {names})"
 
 
 def _controllers() -> Any:
@@ -113,10 +132,13 @@ def main() -> int:
         ("TensorFlow", _tensorflow),
         ("tf.keras", _keras),
         ("native core", _core),
+        ("TensorFlow ops", _tf_ops),
         ("controllers built", _controllers),
         ("MPI library", _mpi),
+        ("mpirun (perseusrun uses)", _mpirun),
         ("NCCL", _nccl),
         ("estimator compat", _estimator_compat),
+        ("Keras integration", _keras_integration),
     ):
         try:
             _section(title, probe)

@@ -1,0 +1,240 @@
+"""tf-keras callbacks for synchronous data-parallel `Model.fit` (Horovod's keras callbacks).
+
+Every rank must use the same callbacks, in the same order: they run collectives.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from perseus_legacy import basics, ops
+from perseus_legacy.basics import Average
+
+__all__ = ["BackupAndRestore", "BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback", "broadcast_model", "broadcast_variables"]
+
+
+def _require_eager(what: str) -> None:
+    if not tf.executing_eagerly():
+        raise RuntimeError(
+            f"{what} runs eagerly, as tf-keras does in TensorFlow 2; with "
+            "tf.compat.v1.disable_eager_execution() Keras trains in a TF1 graph: use "
+            "perseus_legacy.broadcast_global_variables(0) in that session instead")
+
+
+def _optimizer_variables(optimizer: Any, model: Any) -> list:
+    """The optimizer's variables, creating its slots first if no step has run yet."""
+    if optimizer is None or not model.built or not model.trainable_variables:
+        return []  # an unbuilt model's optimizer is built by the first step
+    if isinstance(optimizer, tf_keras.optimizers.legacy.Optimizer):
+        optimizer._create_all_weights(model.trainable_variables)
+        return list(optimizer.variables())
+    if not getattr(optimizer, "_built", False):
+        optimizer.build(model.trainable_variables)
+    return list(optimizer.variables)
+
+
+def _broadcast_values(values: list, root_rank: int) -> list:
+    return [ops.broadcast(value, root_rank, name=f"broadcast_{i}")
+            for i, value in enumerate(values)]
+
+
+# One function: every broadcast is in flight at once instead of one round trip each.
+_broadcast_function = tf.function(_broadcast_values, autograph=False, reduce_retracing=True)
+
+
+def broadcast_variables(variables: list, root_rank: int) -> None:
+    """Assigns `root_rank`'s value of every variable to it, on every rank (eagerly, fused)."""
+    basics.require_initialized("perseus_legacy.keras.broadcast_variables()")
+    _require_eager("perseus_legacy.keras.broadcast_variables()")
+    unique = list({id(v): v for v in variables}.values())
+    if unique:
+        for var, value in zip(unique, _broadcast_function([v.value() for v in unique],
+                                                          int(root_rank))):
+            var.assign(value)
+
+
+def broadcast_model(model: Any, root_rank: int = 0) -> None:
+    """Broadcasts `root_rank`'s model and optimizer variables (slots created if needed)."""
+    broadcast_variables(list(model.variables)
+                        + _optimizer_variables(getattr(model, "optimizer", None), model),
+                        root_rank)
+
+
+class BroadcastGlobalVariablesCallback(tf_keras.callbacks.Callback):
+    """Makes every rank start from `root_rank`'s model and optimizer variables.
+
+    The broadcast runs once, just before the first training batch: after every callback's
+    `on_train_begin` (so after a BackupAndRestore restore) and after weights loaded before
+    `fit`, whatever the order of the callbacks. A model not yet built (no input shape) gets it
+    after the first batch instead, whose step then started from different weights.
+    """
+
+    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.broadcast_done = False
+        self._supports_tf_logs = True  # logs are not read: no per-batch conversion
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Broadcasts before the first batch (if the model is built)."""
+        if not self.broadcast_done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Broadcasts after the first batch if the model was built by it."""
+        if not self.broadcast_done:
+            self._broadcast()
+
+    def _broadcast(self) -> None:
+        with tf.device(self.device):
+            broadcast_model(self.model, self.root_rank)
+        self.broadcast_done = True
+
+
+class MetricAverageCallback(tf_keras.callbacks.Callback):
+    """Replaces every metric in the epoch-end `logs` by its average over all ranks.
+
+    Put it before callbacks that read metrics (ReduceLROnPlateau, EarlyStopping, TensorBoard,
+    ModelCheckpoint): they then see the same values on every rank.
+    """
+
+    def __init__(self, device: str = "") -> None:
+        super().__init__()
+        self.device = device
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        """Averages the numeric entries of `logs` in place."""
+        if not logs:
+            return
+        _require_eager("MetricAverageCallback")
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0
+                      and np.issubdtype(np.asarray(v).dtype, np.number))
+        values = [tf.constant(float(logs[k]), tf.float64) for k in keys]
+        with tf.device(self.device):
+            averaged = ops.grouped_allreduce(values, op=Average, name="MetricAverageCallback")
+        for key, value in zip(keys, averaged):
+            logs[key] = float(value)
+
+
+def _momentum_variable(optimizer: Any) -> Any:
+    """The optimizer's momentum if it is a variable the compiled step reads, else None."""
+    hyper = getattr(optimizer, "_hyper", None)  # legacy optimizers keep hyperparameters here
+    if isinstance(hyper, dict) and "momentum" in hyper:
+        optimizer._create_hypers()
+        return hyper["momentum"]
+    return None
+
+
+class LearningRateWarmupCallback(tf_keras.callbacks.Callback):
+    """Ramps the learning rate from `initial_lr / size()` to `initial_lr` over `warmup_epochs`.
+
+    Goyal et al., "Accurate, Large Minibatch SGD": before every batch of the warmup, at epoch
+    progress `p = epoch + batch / steps_per_epoch`, lr = initial_lr / size() *
+    (p * (size() - 1) / warmup_epochs + 1); the first batch after the warmup gets initial_lr.
+    `initial_lr` is the already scaled rate (e.g. `scale_learning_rate(0.01)`). With
+    `momentum_correction`, a batch whose lr changed from lr_old uses momentum * lr / lr_old (then
+    the momentum is restored); that needs momentum in a variable, as the legacy tf-keras
+    optimizers (`tf_keras.optimizers.legacy.SGD`) keep it. `steps_per_epoch` defaults to fit's.
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: float = 5,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0) -> None:
+        super().__init__()
+        if warmup_epochs <= 0:
+            raise ValueError(f"warmup_epochs must be > 0, got {warmup_epochs}")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self._epoch = 0
+        self._steps = None
+        self._restore_momentum = None
+
+    def multiplier(self, progress: float) -> float:
+        """The factor of initial_lr at epoch progress `progress` (1 from warmup_epochs on)."""
+        size = basics.size()
+        return min(1.0, (progress * (size - 1) / self.warmup_epochs + 1) / size)
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Finds steps_per_epoch."""
+        self._steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not self._steps:
+            raise ValueError("LearningRateWarmupCallback needs steps_per_epoch: pass it, or give "
+                             "fit() steps_per_epoch or data of known length")
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        """Remembers the epoch."""
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        """Sets this batch's learning rate (and corrected momentum)."""
+        progress = self._epoch + batch / self._steps
+        if progress > self.warmup_epochs:
+            return
+        optimizer = self.model.optimizer
+        old_lr = float(tf_keras.backend.get_value(optimizer.learning_rate))
+        new_lr = self.initial_lr * self.multiplier(progress)
+        tf_keras.backend.set_value(optimizer.learning_rate, new_lr)
+        momentum = _momentum_variable(optimizer) if self.momentum_correction else None
+        if momentum is not None and old_lr > 0 and new_lr != old_lr:
+            self._restore_momentum = float(tf_keras.backend.get_value(momentum))
+            tf_keras.backend.set_value(momentum, self._restore_momentum * new_lr / old_lr)
+        if progress == self.warmup_epochs and self.verbose > 0:
+            print(f"\nEpoch {self._epoch + 1}: learning rate warmup done, lr is {new_lr:g}.",
+                  flush=True)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        """Restores the momentum after a corrected batch."""
+        if self._restore_momentum is not None:
+            tf_keras.backend.set_value(_momentum_variable(self.model.optimizer),
+                                       self._restore_momentum)
+            self._restore_momentum = None
+
+
+class BackupAndRestore(tf_keras.callbacks.BackupAndRestore):
+    """tf-keras' BackupAndRestore where rank 0 alone writes and every rank resumes from it.
+
+    Rank 0 backs up to `backup_dir` (at every epoch end, or every `save_freq` batches) and
+    restores from it when `fit` starts; the other ranks never touch `backup_dir` (it need not be
+    shared) and receive rank 0's restored model, optimizer and epoch/batch counters by
+    broadcast, so every rank resumes at the same epoch with the same state.
+    """
+
+    def __init__(self, backup_dir: str, save_freq: Any = "epoch", delete_checkpoint: bool = True,
+                 save_before_preemption: bool = False) -> None:
+        if save_before_preemption:
+            raise NotImplementedError("BackupAndRestore(save_before_preemption=True) needs a "
+                                      "tf.distribute MultiWorkerMirroredStrategy; not supported")
+        super().__init__(backup_dir, save_freq=save_freq, delete_checkpoint=delete_checkpoint)
+        self._root_dir = backup_dir
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        """Rank 0 restores from the backup; every rank then takes rank 0's state."""
+        # Other ranks read from a directory that never exists: they restore nothing themselves.
+        self.backup_dir = self._root_dir if basics.rank() == 0 else os.path.join(
+            tempfile.gettempdir(), f"perseus-no-backup-{uuid.uuid4().hex}")
+        super().on_train_begin(logs)
+        state = self._training_state
+        broadcast_variables([state._ckpt_saved_epoch, state._ckpt_saved_batch,
+                             self.model._train_counter], 0)
+        broadcast_model(self.model, 0)
+
+    def _backup(self, epoch: int, batch: int = 0) -> None:
+        if basics.rank() == 0:
+            super()._backup(epoch, batch)
+
+    def on_train_end(self, logs: dict | None = None) -> None:
+        """Rank 0 deletes the backup (unless delete_checkpoint=False)."""
+        super().on_train_end(logs)
+        self.backup_dir = self._root_dir
