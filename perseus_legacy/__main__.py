@@ -63,6 +63,13 @@ def _controllers() -> Any:
     return dict(info) if isinstance(info, dict) else info
 
 
+def _tcp() -> str:
+    info = importlib.import_module("perseus_legacy._core").build_info()
+    built = "built" if info.get("tcp") else "not built"
+    tf_config = importlib.import_module("perseus_legacy.tf_config")
+    return f"{built}; init() here would use {tf_config.controller_from_env()}"
+
+
 def _mpi() -> str:
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
@@ -114,6 +121,7 @@ def main() -> int:
         ("tf.keras", _keras),
         ("native core", _core),
         ("controllers built", _controllers),
+        ("TCP controller", _tcp),
         ("MPI library", _mpi),
         ("NCCL", _nccl),
         ("estimator compat", _estimator_compat),
