@@ -43,7 +43,11 @@ double Now() {
       .count();
 }
 
-std::string Errno(int error) { return std::strerror(error); }
+std::string Errno(int error) {
+  std::string text = std::strerror(error);
+  if (error == ECONNRESET || error == EPIPE) text += " (the process exited or was killed)";
+  return text;
+}
 
 bool WouldBlock(int error) {
   return error == EAGAIN || error == EWOULDBLOCK || error == EINTR;

@@ -343,9 +343,9 @@ def tcp_rank_envs(args: argparse.Namespace, env: dict) -> list[dict]:
 
 
 def _forward_tagged(stream, rank: int, tag: str, out) -> None:
-    prefix = f"[1,{rank}]<{tag}>:".encode()
+    prefix = f"[1,{rank}]<{tag}>:"
     for line in iter(stream.readline, b""):
-        out.buffer.write(prefix + line)
+        out.write(prefix + line.decode(errors="replace"))
         out.flush()
 
 
