@@ -30,6 +30,8 @@ from perseus_legacy import tf_config
 FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 FORWARDED_PREFIXES = ("PERSEUS_", "TF_")
 LOCAL_HOST_NAMES = {"localhost", "127.0.0.1", "::1"}
+# Variables of an MPI launcher; `--tcp` ranks do not inherit them.
+MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
 # SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
 KILL_GRACE_SECONDS = 10.0
 TIMEOUT_EXIT_CODE = 124
@@ -329,7 +331,8 @@ def tcp_rank_envs(args: argparse.Namespace, env: dict) -> list[dict]:
     if remote:
         raise UsageError(f"--tcp starts ranks on this machine only, not on {', '.join(remote)}; "
                          "on several machines start one process per task with TF_CONFIG")
-    base = dict(env)
+    # A launch from inside an MPI job must not make the ranks look MPI-launched.
+    base = {name: value for name, value in env.items() if not name.startswith(MPI_PREFIXES)}
     for item in args.env:
         name, has_value, value = item.partition("=")
         if not name:
