@@ -28,6 +28,13 @@ def group(rank: int, size: int) -> None:
     big = [rank_data(r, (3 << 20,), "float64", seed=8) for r in range(size)]
     got = _core.allreduce(big[rank], "tf_config.big", op=basics.Average)
     assert_close(rank, "tf_config.big", got, np.mean(big, axis=0), rtol=1e-12)
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # only ask; Is_initialized needs no init
+    from mpi4py import MPI
+
+    if MPI.Is_initialized():
+        fail(rank, "MPI was initialized in a TCP job")
     print(f"[rank {rank}] tf_config group OK size={size} local_rank={_core.local_rank()} "
           f"local_size={_core.local_size()} controller={_core.build_info()['controller']}",
           flush=True)
