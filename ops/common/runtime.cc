@@ -22,8 +22,8 @@
 #include "fusion_buffer.h"
 #include "message.h"
 #include "mpi_controller.h"
-#include "tcp_controller.h"
 #include "reduce.h"
+#include "tcp_controller.h"
 
 namespace perseus {
 namespace {
