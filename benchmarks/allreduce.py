@@ -7,6 +7,11 @@ For each float32 size: median time per allreduce (Sum) and algorithm bandwidth (
 mpi4py on numpy buffers, and the bandwidth ratio a/b. Then 100 x 16 KiB tensors in one
 session.run against one 1.6 MiB tensor: what fusion costs over a single collective.
 
+TCP column (unless --no-tcp): after the MPI tables, rank 0 starts a separate
+`perseusrun --tcp -np N` launch of this script (`--tcp-worker`), which times
+`perseus_legacy._core.allreduce` on numpy arrays over the TCP controller (no MPI), and prints it
+next to this run's mpi4py times (target: TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB).
+
 How the op is measured:
 - The input is a variable, so no feed is copied into the graph each step.
 - The session runs a NoOp that has the allreduce as a control input: the result is computed but
@@ -24,13 +29,18 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 import perseus_legacy as pl
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 import numpy as np
 import tensorflow as tf
-from mpi4py import MPI
+
+if "--tcp-worker" not in sys.argv:  # the TCP launch must not initialize MPI
+    from mpi4py import MPI
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB]
@@ -106,13 +116,79 @@ def mpi4py_step(nbytes: int):
     return lambda: comm.Allreduce(send, recv, op=MPI.SUM)
 
 
+# ---- TCP column: perseus_legacy._core.allreduce over the TCP controller, its own launch -------
+
+def tcp_worker(sizes: list, repeats: int, budget_s: float) -> None:
+    """--tcp-worker: under perseusrun --tcp; rank 0 prints `TCP_SECONDS {bytes: seconds}`."""
+    from perseus_legacy import _core
+
+    pl.init()
+    assert pl.size() > 1 and _core.build_info()["controller"] == "tcp", _core.build_info()
+
+    def agree(value: int) -> int:  # rank 0's value on every rank; also a barrier
+        return int(_core.broadcast(np.array([value], np.int64), 0, "tcp_agree")[0])
+
+    seconds = {}
+    for nbytes in sizes:
+        data = np.ones(nbytes // 4, np.float32)
+        for _ in range(3):
+            _core.allreduce(data, "tcp_bench", op=pl.Sum)
+        t0 = time.perf_counter()
+        _core.allreduce(data, "tcp_bench", op=pl.Sum)
+        one = max(time.perf_counter() - t0, 1e-6)
+        batch = agree(max(1, min(500, int(budget_s / repeats / one))))
+        samples = []
+        for _ in range(repeats):
+            agree(0)
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                _core.allreduce(data, "tcp_bench", op=pl.Sum)
+            samples.append((time.perf_counter() - t0) / batch)
+        seconds[nbytes] = statistics.median(samples)
+    if pl.rank() == 0:
+        print("TCP_SECONDS " + json.dumps(seconds), flush=True)
+    pl.shutdown()
+
+
+def tcp_seconds(size: int, sizes: list, repeats: int, budget_s: float) -> dict:
+    """Seconds per allreduce by size, from a separate `perseusrun --tcp -np size` launch."""
+    perseusrun = os.path.join(os.path.dirname(sys.executable), "perseusrun")
+    cmd = [perseusrun, "--tcp", "-np", str(size), "--timeout", "900", sys.executable,
+           os.path.abspath(__file__), "--tcp-worker", "--sizes", ",".join(map(str, sizes)),
+           "--repeats", str(repeats), "--budget", str(budget_s)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("TCP_SECONDS "):
+            return {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
+    raise RuntimeError(f"the TCP launch failed (exit {proc.returncode}):\n{proc.stdout}\n"
+                       f"{proc.stderr}")
+
+
+def print_tcp_table(size: int, rows: list, tcp: dict) -> None:
+    print(f"\nTCP controller: _core.allreduce on numpy over TCP ({size} ranks, perseusrun --tcp, "
+          "a separate launch) against this run's mpi4py over MPI\n")
+    print("| size | mpi4py (ms) | mpi4py (GB/s) | TCP (ms) | TCP (GB/s) | TCP / mpi4py |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for nbytes, _, _, mpi_s in rows:
+        tcp_s = tcp[nbytes]
+        print(f"| {label(nbytes)} | {mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | "
+              f"{tcp_s * 1e3:.3f} | {nbytes / tcp_s / 1e9:.2f} | {mpi_s / tcp_s:.2f}x |")
+    print("\nTCP / mpi4py: bandwidth ratio (target >= 0.7x at >= 16 MiB).")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sizes", type=lambda text: [int(x) for x in text.split(",")],
                         default=SIZES, help="comma-separated byte counts")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per comparison")
+    parser.add_argument("--no-tcp", action="store_true", help="skip the TCP column's launch")
+    parser.add_argument("--tcp-worker", action="store_true",
+                        help="internal: one rank of the TCP column's perseusrun --tcp launch")
     args = parser.parse_args()
+    if args.tcp_worker:
+        tcp_worker(args.sizes, args.repeats, args.budget)
+        return
 
     pl.init()
     rank, size = pl.rank(), pl.size()
@@ -148,6 +224,11 @@ def main() -> None:
         print(f"\nTF op: {CHAIN} allreduces in a row per session.run, time per allreduce. "
               "TF op / mpi4py: bandwidth ratio (target >= 0.95x at >= 1 MiB).\n"
               f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x (target <= 1.5x).")
+
+    # Rank 0 alone starts the TCP launch; the other MPI ranks have nothing left to do.
+    pl.shutdown()
+    if rank == 0 and not args.no_tcp and size > 1:
+        print_tcp_table(size, rows, tcp_seconds(size, args.sizes, args.repeats, args.budget))
 
 if __name__ == "__main__":
     main()

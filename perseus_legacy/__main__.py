@@ -82,6 +82,13 @@ def _controllers() -> Any:
     return dict(info) if isinstance(info, dict) else info
 
 
+def _tcp() -> str:
+    info = importlib.import_module("perseus_legacy._core").build_info()
+    built = "built" if info.get("tcp") else "not built"
+    tf_config = importlib.import_module("perseus_legacy.tf_config")
+    return f"{built}; init() here would use {tf_config.controller_from_env()}"
+
+
 def _mpi() -> str:
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
@@ -134,6 +141,7 @@ def main() -> int:
         ("native core", _core),
         ("TensorFlow ops", _tf_ops),
         ("controllers built", _controllers),
+        ("TCP controller", _tcp),
         ("MPI library", _mpi),
         ("mpirun (perseusrun uses)", _mpirun),
         ("NCCL", _nccl),

@@ -6,6 +6,8 @@ import atexit
 import importlib
 from typing import Any
 
+from perseus_legacy import tf_config
+
 Average, Sum, Min, Max, Product = 0, 1, 2, 3, 4
 REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
 
@@ -39,8 +41,27 @@ def _comm_handle(comm: Any) -> int:
 
 
 def init(comm: Any = None) -> None:
-    """Joins the process group: every rank of MPI_COMM_WORLD, or of the given mpi4py `comm`."""
-    core().init(_comm_handle(comm))
+    """Joins the process group: MPI_COMM_WORLD, the mpi4py `comm` given, or TF_CONFIG's tasks.
+
+    Without `comm`, perseus_legacy.tf_config.controller_from_env() picks the transport: MPI under
+    an MPI launcher, TCP (MPI never initialized) for TF_CONFIG or `perseusrun --tcp`.
+    """
+    if comm is not None or tf_config.controller_from_env() == "mpi":
+        core().init(_comm_handle(comm))
+        return
+    cluster = tf_config.cluster_from_env()
+    if cluster is None:
+        raise tf_config.TFConfigError(
+            "PERSEUS_CONTROLLER=tcp needs TF_CONFIG or perseusrun --tcp's "
+            f"{tf_config.ADDRESSES_VARIABLE}: they say where the ranks meet")
+    if cluster.rank is None:
+        raise tf_config.TFConfigError(
+            f"this process is the TF_CONFIG {cluster.task_type!r} task, which is not a rank: "
+            "it must not call init() or run collectives (check "
+            "perseus_legacy.tf_config.cluster_from_env().is_rank first)")
+    core().init_tcp(cluster.rank, list(cluster.addresses), cluster.local_rank,
+                    cluster.local_size, cluster.cross_rank, cluster.cross_size,
+                    tf_config.job_secret(), tf_config.start_timeout())
 
 
 def shutdown() -> None:

@@ -1,5 +1,7 @@
 """Launches real ranks for tests: `perseusrun` (default) or plain `mpirun`, always with a timeout.
 
+`controller="tcp"` launches with `perseusrun --tcp`: local ranks over the TCP controller, no MPI.
+
 A test calls run_ranks(np, "tests/workers/x.py", ...) and gets the finished process; any
 non-zero exit, or a launch that outlives its timeout, fails the test with every rank's output.
 """
@@ -36,11 +38,20 @@ def launch_env(extra: dict | None = None) -> dict:
     return env
 
 
+CONTROLLERS = ("mpi", "tcp")
+
+
 def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun",
-            timeout: float = 180) -> list:
+            timeout: float = 180, controller: str = "mpi") -> list:
     program = [sys.executable, str(ROOT / script), *map(str, args)]
+    if controller not in CONTROLLERS:
+        raise ValueError(f"unknown controller {controller!r}")
+    if controller == "tcp" and launcher != "perseusrun":
+        raise ValueError("the TCP controller is launched with perseusrun --tcp")
     if launcher == "perseusrun":
-        return [str(BIN / "perseusrun"), "-np", str(np), "--timeout", str(int(timeout)), *program]
+        tcp = ["--tcp"] if controller == "tcp" else []
+        return [str(BIN / "perseusrun"), *tcp, "-np", str(np), "--timeout", str(int(timeout)),
+                *program]
     if launcher == "mpirun":
         return [str(BIN / "mpirun"), "-np", str(np), "--allow-run-as-root", "--oversubscribe",
                 "--bind-to", "none", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
@@ -50,9 +61,10 @@ def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun"
 
 
 def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
-              env: dict | None = None, expect_failure: bool = False) -> subprocess.CompletedProcess:
+              env: dict | None = None, expect_failure: bool = False,
+              controller: str = "mpi") -> subprocess.CompletedProcess:
     """Runs `script` on `np` ranks; asserts it exits 0 (or non-zero with expect_failure)."""
-    cmd = command(np, script, args, launcher, timeout)
+    cmd = command(np, script, args, launcher, timeout, controller)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -1,7 +1,8 @@
-"""The native core (perseus_legacy._core) under real multi-rank launches.
+"""The native core (perseus_legacy._core) under real multi-rank launches, over both controllers.
 
 Each launch runs one worker script on every rank; a worker checks many cases and exits non-zero
-(naming the rank and the case) on the first wrong result.
+(naming the rank and the case) on the first wrong result. Every test runs with the MPI
+controller (perseusrun) and with the TCP controller (perseusrun --tcp, MPI never initialized).
 """
 
 from __future__ import annotations
@@ -10,22 +11,24 @@ import re
 import time
 
 import pytest
-from harness import run_ranks
+from harness import CONTROLLERS, run_ranks
 
 LAUNCHER = "perseusrun"
 
 
+@pytest.mark.parametrize("controller", CONTROLLERS)
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
-def test_collectives_match_numpy_for_every_dtype_op_and_submission_order(np_):
-    out = run_ranks(np_, "tests/workers/core_collectives.py", launcher=LAUNCHER, timeout=240).stdout
+def test_collectives_match_numpy_for_every_dtype_op_and_submission_order(np_, controller):
+    out = run_ranks(np_, "tests/workers/core_collectives.py", launcher=LAUNCHER, timeout=240,
+                    controller=controller).stdout
     for rank in range(np_):
         assert f"[rank {rank}] core collectives OK" in out, out
 
 
-@pytest.fixture(scope="module")
-def errors_run():
+@pytest.fixture(scope="module", params=CONTROLLERS)
+def errors_run(request):
     return run_ranks(3, "tests/workers/core_errors.py", launcher=LAUNCHER, timeout=240,
-                     env={"PERSEUS_STALL_WARNING_SECS": "1"}).stdout
+                     env={"PERSEUS_STALL_WARNING_SECS": "1"}, controller=request.param).stdout
 
 
 def test_mismatched_requests_fail_on_every_rank_naming_tensor_ranks_and_values(errors_run):
@@ -44,18 +47,20 @@ def test_stalled_tensor_is_reported_by_rank_0_with_the_missing_rank(errors_run):
     assert not re.search(r"perseus_legacy\[rank [12]\]", errors_run), "only rank 0 warns"
 
 
-def test_rank_leaving_early_fails_the_others_pending_ops_naming_it():
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_rank_leaving_early_fails_the_others_pending_ops_naming_it(controller):
     out = run_ranks(3, "tests/workers/core_shutdown_early.py", launcher=LAUNCHER,
-                    timeout=180).stdout
+                    timeout=180, controller=controller).stdout
     for rank in (0, 2):
         assert f"[rank {rank}] late.x: perseus_legacy: " in out, out
         assert f"[rank {rank}] later.y: perseus_legacy: cannot run allreduce \"later.y\": " \
                "rank 1 shut down" in out, out
 
 
-def test_killed_rank_ends_the_job_nonzero_within_30_seconds():
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_killed_rank_ends_the_job_nonzero_within_30_seconds(controller):
     result = run_ranks(2, "tests/workers/core_killed.py", launcher=LAUNCHER, timeout=60,
-                       expect_failure=True)
+                       expect_failure=True, controller=controller)
     ended = time.time()
     killed = re.search(r"KILLED_AT ([0-9.]+)", result.stdout)
     assert killed, result.stdout
@@ -63,5 +68,5 @@ def test_killed_rank_ends_the_job_nonzero_within_30_seconds():
     assert ended - float(killed.group(1)) < 30, result.stdout
 
 
-def test_init_after_shutdown_on_a_subcommunicator_and_stall_shutdown(errors_run):
+def test_init_again_after_shutdown_and_stall_shutdown(errors_run):
     assert "[rank 0] stall shutdown: got the expected error" in errors_run, errors_run

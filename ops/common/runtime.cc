@@ -25,6 +25,7 @@
 #include "message.h"
 #include "mpi_controller.h"
 #include "reduce.h"
+#include "tcp_controller.h"
 
 namespace perseus {
 namespace {
@@ -113,7 +114,7 @@ class Runtime {
     }
   }
 
-  Status Init(intptr_t comm_handle);
+  Status Init(intptr_t comm_handle, const TcpOptions* tcp = nullptr);
   void Shutdown();
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
   Status Join(int* last_joined_rank);
@@ -126,7 +127,7 @@ class Runtime {
   int cross_rank() const { return cross_rank_.load(); }
   int cross_size() const { return cross_size_.load(); }
   bool threads_supported() const { return threads_supported_.load(); }
-  std::string controller_name() const { return "mpi"; }
+  std::string controller_name() const { return tcp_ ? "tcp" : "mpi"; }
 
  private:
   using MessageFor = std::function<std::string(const std::string& name)>;
@@ -154,6 +155,7 @@ class Runtime {
   std::atomic<int> rank_{-1}, size_{-1}, local_rank_{-1}, local_size_{-1};
   std::atomic<int> cross_rank_{-1}, cross_size_{-1};
   std::atomic<bool> threads_supported_{false};
+  std::atomic<bool> tcp_{false};
   Config config_;
   std::unique_ptr<Controller> controller_;
   std::thread thread_;
@@ -185,18 +187,20 @@ Runtime& State() {
   return state;
 }
 
-Status Runtime::Init(intptr_t comm_handle) {
+Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   std::lock_guard<std::mutex> init_lock(init_mu_);
   if (initialized_) return Status::OK();
   Config config;
   Status s = ReadConfig(&config);
   if (!s.ok()) return s;
   std::unique_ptr<Controller> controller;
-  s = MpiController::Create(comm_handle, &controller);
+  s = tcp ? TcpController::Create(*tcp, &controller)
+          : MpiController::Create(comm_handle, &controller);
   if (!s.ok()) return s;
 
   config_ = config;
   controller_ = std::move(controller);
+  tcp_ = tcp != nullptr;
   rank_ = controller_->rank();
   size_ = controller_->size();
   local_rank_ = controller_->local_rank();
@@ -676,6 +680,7 @@ void Runtime::Log(const std::string& text) const {
 }  // namespace
 
 Status Init(intptr_t mpi_comm_handle) { return State().Init(mpi_comm_handle); }
+Status InitTcp(const TcpOptions& options) { return State().Init(0, &options); }
 void Shutdown() { State().Shutdown(); }
 bool IsInitialized() { return State().initialized(); }
 int Rank() { return State().rank(); }
@@ -686,6 +691,7 @@ int CrossRank() { return State().cross_rank(); }
 int CrossSize() { return State().cross_size(); }
 bool MpiThreadsSupported() { return State().threads_supported(); }
 bool MpiBuilt() { return true; }
+bool TcpBuilt() { return true; }
 std::string ControllerName() { return State().controller_name(); }
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;

@@ -20,6 +20,18 @@ namespace perseus {
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
 Status Init(intptr_t mpi_comm_handle);
 
+// Where the TCP controller's ranks meet (see tcp_controller.h); the launcher side computes it.
+struct TcpOptions {
+  int rank = 0;
+  std::vector<std::string> addresses;  // "host:port" of every rank, in rank order
+  int local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
+  std::string secret;                  // the job secret every rank must prove it knows
+  double start_timeout_secs = 120.0;   // how long ranks wait for each other at start-up
+};
+
+// Init over TCP instead of MPI: MPI is never initialized. Same rules as Init otherwise.
+Status InitTcp(const TcpOptions& options);
+
 // Stops the background thread; pending and later requests fail with a shutdown error on every
 // rank. Safe to call more than once, and when never initialized.
 void Shutdown();
@@ -35,8 +47,9 @@ int CrossRank();
 int CrossSize();
 
 bool MpiThreadsSupported();
-bool MpiBuilt();  // always true today; TCP/NCCL report their own
-std::string ControllerName();  // "mpi"
+bool MpiBuilt();  // always true today
+bool TcpBuilt();  // always true today
+std::string ControllerName();  // "mpi" or "tcp" while initialized
 
 // Hands a request to the background thread; never blocks on communication.
 // Returns an error (and does not call done) if the runtime is not initialized or has shut down,

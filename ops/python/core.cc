@@ -18,6 +18,7 @@
 
 #include "common/common.h"
 #include "common/runtime.h"
+#include "common/tcp_auth.h"
 
 namespace py = pybind11;
 
@@ -267,6 +268,38 @@ PYBIND11_MODULE(_core, m) {
       },
       py::arg("comm_handle") = 0,
       "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given.");
+  m.def(
+      "init_tcp",
+      [](int rank, std::vector<std::string> addresses, int local_rank, int local_size,
+         int cross_rank, int cross_size, std::string secret, double start_timeout) {
+        TcpOptions options;
+        options.rank = rank;
+        options.addresses = std::move(addresses);
+        options.local_rank = local_rank;
+        options.local_size = local_size;
+        options.cross_rank = cross_rank;
+        options.cross_size = cross_size;
+        options.secret = std::move(secret);
+        options.start_timeout_secs = start_timeout;
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = InitTcp(options);
+        }
+        if (!s.ok()) throw std::runtime_error(s.message());
+      },
+      py::arg("rank"), py::arg("addresses"), py::arg("local_rank"), py::arg("local_size"),
+      py::arg("cross_rank"), py::arg("cross_size"), py::arg("secret"),
+      py::arg("start_timeout") = 120.0,
+      "Joins the process group over TCP (collective): ranks meet at their `addresses` "
+      "(host:port, rank order) and prove `secret`; MPI is never initialized.");
+  m.def(
+      "_hmac_sha256",
+      [](const py::bytes& key, const py::bytes& message) {
+        const Digest digest = HmacSha256(key, message);
+        return py::bytes(reinterpret_cast<const char*>(digest.data()), digest.size());
+      },
+      "HMAC-SHA-256 as the TCP rendezvous computes it (exposed for tests).");
   m.def("shutdown", &Shutdown, py::call_guard<py::gil_scoped_release>(),
         "Leaves the process group; pending and later collectives fail on every rank.");
   m.def("is_initialized", &IsInitialized);
@@ -280,7 +313,7 @@ PYBIND11_MODULE(_core, m) {
   m.def("build_info", [] {
     py::dict info;
     info["mpi"] = MpiBuilt();
-    info["tcp"] = false;
+    info["tcp"] = TcpBuilt();
     info["nccl"] = false;
     info["controller"] = ControllerName();
     return info;

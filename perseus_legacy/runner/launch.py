@@ -1,6 +1,7 @@
 """perseusrun: starts a job's ranks with the Open MPI `mpirun` of this Python environment.
 
     perseusrun -np 4 -H hostA:2,hostB:2 python train.py --epochs 3
+    perseusrun --tcp -np 4 python train.py      (this machine, no MPI: the TCP controller)
 
 Everything after the first argument that is not a perseusrun option is the program and its own
 arguments. This module imports neither TensorFlow nor the native core; only `--check-build`
@@ -20,12 +21,17 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+
+from perseus_legacy import tf_config
 
 # Forwarded to every rank (with `-x NAME`) whenever they are set.
 FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
 FORWARDED_PREFIXES = ("PERSEUS_", "TF_")
 LOCAL_HOST_NAMES = {"localhost", "127.0.0.1", "::1"}
+# Variables of an MPI launcher; `--tcp` ranks do not inherit them.
+MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
 # SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
 KILL_GRACE_SECONDS = 10.0
 TIMEOUT_EXIT_CODE = 124
@@ -64,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="raw extra mpirun arguments, e.g. --mpi-args \"--mca btl self,tcp\"")
     p.add_argument("--tag-output", action="store_true",
                    help="prefix each output line with its rank")
+    p.add_argument("--tcp", action="store_true",
+                   help="start the ranks on this machine without MPI; they use the TCP "
+                        "controller (PERSEUS_TCP_RANK / PERSEUS_TCP_ADDRESSES, no TF_CONFIG)")
     p.add_argument("--check-build", action="store_true",
                    help="print which native parts were built and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpirun command")
@@ -171,8 +180,7 @@ def _hosts(args: argparse.Namespace) -> list[tuple[str, int]]:
     return read_hostfile(args.hostfile) if args.hostfile else []
 
 
-def build_mpirun_command(args: argparse.Namespace, env: dict) -> list[str]:
-    """The mpirun command line for parsed perseusrun `args` launched from environment `env`."""
+def _check_job_args(args: argparse.Namespace) -> None:
     if args.np is None:
         raise UsageError("-np N is required: how many ranks to start")
     if args.np < 1:
@@ -181,6 +189,11 @@ def build_mpirun_command(args: argparse.Namespace, env: dict) -> list[str]:
         raise UsageError("no program given: perseusrun -np N program [args...]")
     if args.timeout is not None and args.timeout <= 0:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
+
+
+def build_mpirun_command(args: argparse.Namespace, env: dict) -> list[str]:
+    """The mpirun command line for parsed perseusrun `args` launched from environment `env`."""
+    _check_job_args(args)
     hosts = _hosts(args)
     local_only = all(is_local_host(name) for name, _ in hosts)
     slots = sum(count for _, count in hosts)
@@ -294,6 +307,126 @@ def run_job(cmd: list[str], env: dict, timeout: float | None = None,
     return code
 
 
+def free_local_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports on 127.0.0.1 that were free a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def tcp_rank_envs(args: argparse.Namespace, env: dict) -> list[dict]:
+    """Each local rank's environment for `perseusrun --tcp` (validates the command line)."""
+    _check_job_args(args)
+    if args.mpi_args:
+        raise UsageError("--mpi-args has no meaning with --tcp (no mpirun is started)")
+    hosts = _hosts(args)
+    remote = [name for name, _ in hosts if not is_local_host(name)]
+    if remote:
+        raise UsageError(f"--tcp starts ranks on this machine only, not on {', '.join(remote)}; "
+                         "on several machines start one process per task with TF_CONFIG")
+    # A launch from inside an MPI job must not make the ranks look MPI-launched.
+    base = {name: value for name, value in env.items() if not name.startswith(MPI_PREFIXES)}
+    for item in args.env:
+        name, has_value, value = item.partition("=")
+        if not name:
+            raise UsageError(f"-x {item!r}: expected VAR or VAR=value")
+        if has_value:
+            base[name] = value
+    base["PERSEUS_CONTROLLER"] = "tcp"
+    base[tf_config.ADDRESSES_VARIABLE] = ",".join(
+        f"127.0.0.1:{port}" for port in free_local_ports(args.np))
+    return [{**base, tf_config.RANK_VARIABLE: str(rank)} for rank in range(args.np)]
+
+
+def _forward_tagged(stream, rank: int, tag: str, out) -> None:
+    prefix = f"[1,{rank}]<{tag}>:"
+    for line in iter(stream.readline, b""):
+        out.write(prefix + line.decode(errors="replace"))
+        out.flush()
+
+
+def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signum)  # each rank leads its own process group
+            except OSError:
+                pass
+
+
+def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None = None,
+                    grace: float = KILL_GRACE_SECONDS, tag_output: bool = False) -> int:
+    """Runs one `program` per environment; ends every rank when one fails or time runs out."""
+    pipe = subprocess.PIPE if tag_output else None
+    procs, forwarders = [], []
+    for rank, env in enumerate(envs):
+        proc = subprocess.Popen(program, env=env, stdout=pipe, stderr=pipe,
+                                start_new_session=True)
+        procs.append(proc)
+        if tag_output:
+            for stream, tag, out in ((proc.stdout, "stdout", sys.stdout),
+                                     (proc.stderr, "stderr", sys.stderr)):
+                t = threading.Thread(target=_forward_tagged, args=(stream, rank, tag, out),
+                                     daemon=True)
+                t.start()
+                forwarders.append(t)
+    job_deadline = time.monotonic() + timeout if timeout else None
+    kill_deadline: list[float | None] = [None]
+    stopped_by: list[int] = []
+    failure: list[int] = []
+
+    def stop(signum: int) -> None:
+        _signal_all(procs, signum)
+        if kill_deadline[0] is None:
+            kill_deadline[0] = time.monotonic() + grace
+
+    def forward(signum: int, _frame: object) -> None:
+        stopped_by.append(signum)
+        stop(signum)
+
+    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
+    previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        while any(proc.poll() is None for proc in procs):
+            now = time.monotonic()
+            for rank, proc in enumerate(procs):
+                code = proc.poll()
+                if code not in (None, 0) and not failure and not stopped_by:
+                    failure.append(128 - code if code < 0 else code)
+                    print(f"perseusrun: rank {rank} exited with code {code}; terminating the "
+                          "other ranks", file=sys.stderr, flush=True)
+                    stop(signal.SIGTERM)
+            if job_deadline is not None and now >= job_deadline:
+                print(f"perseusrun: timeout: the job ran longer than --timeout {timeout:g} s; "
+                      "terminating all ranks", file=sys.stderr, flush=True)
+                job_deadline = None
+                stopped_by.append(-1)
+                stop(signal.SIGTERM)
+            if kill_deadline[0] is not None and now >= kill_deadline[0]:
+                print(f"perseusrun: the job did not stop within {grace:g} s; killing it",
+                      file=sys.stderr, flush=True)
+                _signal_all(procs, signal.SIGKILL)
+                kill_deadline[0] = float("inf")
+            time.sleep(0.05)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for t in forwarders:
+        t.join(timeout=5)
+    if -1 in stopped_by:
+        return TIMEOUT_EXIT_CODE
+    if stopped_by:
+        return 128 + stopped_by[0]
+    return failure[0] if failure else 0
+
+
 def check_build() -> int:
     """Prints, one line each, which native parts and frameworks are available; returns 0."""
     def line(what: str, status: str) -> None:
@@ -314,6 +447,10 @@ def check_build() -> int:
             line(what, {True: "built", False: "not built"}.get(info.get(key), "unknown"))
     for key in sorted(set(info) - {"mpi", "tcp", "nccl"}, key=str):
         line(str(key), str(info[key]))
+    try:
+        line("init() uses", tf_config.controller_from_env() + " (in this environment)")
+    except ValueError as exc:
+        line("init() uses", f"ERROR: {exc}")
     try:
         import tensorflow as tf
 
@@ -344,11 +481,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.check_build:
             return check_build()
         env = dict(os.environ)
-        env.setdefault("PERSEUS_SECRET", secrets.token_hex(16))  # the ranks' shared job secret
-        cmd = build_mpirun_command(args, env)
+        if not env.get("PERSEUS_SECRET"):
+            env["PERSEUS_SECRET"] = secrets.token_hex(16)  # the ranks' shared job secret
+        if args.tcp:
+            envs = tcp_rank_envs(args, env)
+        else:
+            cmd = build_mpirun_command(args, env)
     except UsageError as exc:
         print(f"perseusrun: error: {exc}", file=sys.stderr)
         return 2
+    if args.tcp:
+        if args.verbose:
+            print(f"perseusrun: {args.np} local ranks over TCP at "
+                  f"{envs[0][tf_config.ADDRESSES_VARIABLE]}: {shlex.join(args.program)}",
+                  file=sys.stderr, flush=True)
+        return run_local_ranks(args.program, envs, timeout=args.timeout,
+                               tag_output=args.tag_output)
     if args.verbose:
         print("perseusrun:", shlex.join(cmd), file=sys.stderr, flush=True)
     return run_job(cmd, env, timeout=args.timeout)

@@ -1,9 +1,10 @@
 """Disagreeing ranks get an error naming the tensor, the ranks and their values, on every rank;
 the runtime stays usable afterwards. Also: duplicate pending names, the stall warning, and
-init() again after shutdown() on a sub-communicator with PERSEUS_STALL_SHUTDOWN_SECS.
+init() again after shutdown() with PERSEUS_STALL_SHUTDOWN_SECS: on an MPI sub-communicator, or,
+over TCP, the whole group again (its ports are listened on anew).
 
-Run on 3 ranks with PERSEUS_STALL_WARNING_SECS=1. mpi4py is imported first, so MPI belongs to
-it and outlives our shutdown(), which is what makes a second init() possible.
+Run on 3 ranks with PERSEUS_STALL_WARNING_SECS=1. Under MPI, mpi4py is imported first, so MPI
+belongs to it and outlives our shutdown(), which is what makes a second init() possible.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ import threading
 import time
 
 import numpy as np
-from mpi4py import MPI
 from worker_util import assert_close, fail
 
-from perseus_legacy import _core
+from perseus_legacy import _core, basics, tf_config
+
+CONTROLLER = tf_config.controller_from_env()
+if CONTROLLER == "mpi":
+    from mpi4py import MPI
 
 SUM, MAX = 1, 3
 
@@ -98,7 +102,6 @@ def check_stall_warning(rank: int) -> None:
 
 def check_reinit_on_subcommunicator(rank: int) -> None:
     """Ranks {0, 2} and {1} become separate groups; a tensor only rank 0 submits gives up."""
-    os.environ["PERSEUS_STALL_SHUTDOWN_SECS"] = "1"  # read again by the second init()
     sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
     _core.init(MPI._handleof(sub))
     expected_size = 2 if rank % 2 == 0 else 1
@@ -119,8 +122,29 @@ def check_reinit_on_subcommunicator(rank: int) -> None:
     sub.Free()
 
 
+def check_reinit_over_tcp(rank: int) -> None:
+    """The group meets again; tensors that only some ranks submit are given up on all of them."""
+    basics.init()
+    if _core.size() != 3 or _core.rank() != rank:
+        fail(rank, f"after init() again: rank {_core.rank()} size {_core.size()}")
+    got = _core.allreduce(np.full(2, rank, np.int32), "again.sum", op=SUM)
+    assert_close(rank, "again.sum", got, np.full(2, 3, np.int32))
+    # Both sides stall at once, so nobody runs ahead into the next collective while the other
+    # side is still waiting for its stalled tensor to be given up.
+    if rank == 0:
+        expect_error(rank, "stall shutdown", lambda: _core.allreduce(np.ones(2), "stall.only0"),
+                     'allreduce "stall.only0" was submitted by ranks [0] but not by ranks [1, 2]',
+                     "PERSEUS_STALL_SHUTDOWN_SECS")
+    else:
+        expect_error(rank, "stall shutdown", lambda: _core.allreduce(np.ones(2), "stall.only12"),
+                     'allreduce "stall.only12" was submitted by ranks [1, 2] but not by ranks [0]')
+    got = _core.allreduce(np.ones(2), "again.after", op=SUM)  # still usable
+    assert_close(rank, "again.after", got, np.full(2, 3.0))
+    _core.shutdown()
+
+
 def main() -> None:
-    _core.init()
+    basics.init()
     rank, size = _core.rank(), _core.size()
     if size != 3:
         fail(rank, f"run this on 3 ranks, not {size}")
@@ -128,7 +152,11 @@ def main() -> None:
     check_duplicate_name(rank)
     check_stall_warning(rank)
     _core.shutdown()
-    check_reinit_on_subcommunicator(rank)
+    os.environ["PERSEUS_STALL_SHUTDOWN_SECS"] = "1"  # read again by the second init()
+    if CONTROLLER == "mpi":
+        check_reinit_on_subcommunicator(rank)
+    else:
+        check_reinit_over_tcp(rank)
     print(f"[rank {rank}] core errors OK", flush=True)
 
 

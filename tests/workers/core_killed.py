@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 
-from perseus_legacy import _core
+from perseus_legacy import _core, basics
 
 
 def main() -> None:
-    _core.init()
+    basics.init()
     rank = _core.rank()
     _core.allreduce(np.ones(2), "before", op=1)
     if rank == 1:

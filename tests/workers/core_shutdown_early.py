@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 from worker_util import assert_close, fail
 
-from perseus_legacy import _core
+from perseus_legacy import _core, basics
 
 
 def main() -> None:
-    _core.init()
+    basics.init()
     rank, size = _core.rank(), _core.size()
     got = _core.allreduce(np.ones(2), "before", op=1)
     assert_close(rank, "before", got, np.full(2, float(size)))

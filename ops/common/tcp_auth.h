@@ -1,0 +1,24 @@
+// Job-secret authentication for the TCP controller's rendezvous: SHA-256 and HMAC-SHA-256
+// (FIPS 180-4, RFC 2104), written here so the runtime needs no crypto library, plus nonces.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace perseus {
+
+using Digest = std::array<uint8_t, 32>;
+
+Digest Sha256(const std::string& message);
+Digest HmacSha256(const std::string& key, const std::string& message);
+
+// Whether two digests are equal, in time that does not depend on where they differ.
+bool DigestsEqual(const Digest& a, const Digest& b);
+
+// `bytes` unpredictable bytes from the operating system (getrandom / /dev/urandom).
+Status RandomBytes(size_t bytes, std::string* out);
+
+}  // namespace perseus

@@ -1,0 +1,129 @@
+// The Controller over TCP, for jobs launched without MPI (TF_CONFIG, `perseusrun --tcp`).
+//
+// Start-up: every rank listens on its own address; each rank dials every lower rank once (the
+// data mesh) and rank 0 once more (the control star). Each connection proves the job secret
+// both ways (HMAC-SHA-256 challenge / response); a connection that fails is logged on the
+// listening rank and dropped. Ranks that do not arrive within the start timeout are listed.
+// Control plane: length-prefixed frames between rank 0 and each rank (negotiation messages, and
+// abort notices that carry the first failure to every rank). Data plane: raw bytes between
+// pairs, moved by one nonblocking engine: ring allreduce (reduce-scatter then allgather,
+// chunked, so receiving, reducing and sending overlap), ring allgatherv, pipelined chain
+// broadcast, pairwise alltoallv. A closed socket, an abort notice or a peer silent for
+// kPeerSilenceSecs fails the operation on every rank with an error naming the peer.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "controller.h"
+#include "runtime.h"
+
+namespace perseus {
+
+// Owns one file descriptor; closes it on destruction.
+class Socket {
+ public:
+  Socket() = default;
+  explicit Socket(int fd) : fd_(fd) {}
+  ~Socket() { Close(); }
+  Socket(Socket&& other) noexcept : fd_(other.Release()) {}
+  Socket& operator=(Socket&& other) noexcept;
+  Socket(const Socket&) = delete;
+  Socket& operator=(const Socket&) = delete;
+
+  int fd() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int Release();
+  void Close();
+
+ private:
+  int fd_ = -1;
+};
+
+class TcpController : public Controller {
+ public:
+  // Listens on options.addresses[options.rank], meets every other rank and waits for all of
+  // them (at most options.start_timeout_secs). Collective.
+  static Status Create(const TcpOptions& options, std::unique_ptr<Controller>* out);
+  explicit TcpController(const TcpOptions& options);
+  ~TcpController() override = default;
+
+  TcpController(const TcpController&) = delete;
+  TcpController& operator=(const TcpController&) = delete;
+
+  int rank() const override { return options_.rank; }
+  int size() const override { return size_; }
+  int local_rank() const override { return options_.local_rank; }
+  int local_size() const override { return options_.local_size; }
+  int cross_rank() const override { return options_.cross_rank; }
+  int cross_size() const override { return options_.cross_size; }
+  bool threads_supported() const override { return false; }
+  std::string name() const override { return "tcp"; }
+
+  Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
+  Status BroadcastFromCoordinator(std::string* bytes) override;
+
+  Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
+                   ReduceOp op) override;
+  Status Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
+                    size_t unit_bytes) override;
+  Status Broadcast(void* data, int64_t bytes, int root) override;
+  Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
+                   const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
+  Status Barrier() override;
+
+ private:
+  struct Peer {
+    Socket control;  // rank 0 <-> this peer (on rank 0: one per peer; elsewhere: to rank 0 only)
+    Socket data;     // this rank <-> the peer
+    std::string inbox;                 // control bytes received and not yet parsed
+    std::deque<std::string> messages;  // complete control messages, oldest first
+    std::string outbox;                // control bytes still to send
+  };
+  // Bytes a data transfer sends or receives, in order.
+  struct Piece {
+    char* data;
+    size_t bytes;
+  };
+  // Received pieces [0, steps) are reduced into their buffer with `op`; later ones land there.
+  struct Reduction {
+    DataType dtype;
+    ReduceOp op;
+    size_t steps;
+  };
+  enum class Pumped { kOk, kAbort, kClosed };
+
+  Status Rendezvous();
+  void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
+                  std::string* last_error);
+  Status AcceptOne(int fd, const std::string& from);
+  Status Dial(int peer, int channel, double deadline);
+  Status StartupBarrier(double deadline);
+
+  // The one data-plane engine: sends `sends` to send_peer while receiving `recvs` from
+  // recv_peer. With lag >= 0, send piece i waits for received piece i - lag, chunk by chunk
+  // (what a ring forwards is what it just received); lag < 0: sends never wait.
+  Status Stream(int send_peer, const std::vector<Piece>& sends, int recv_peer,
+                const std::vector<Piece>& recvs, int lag, const Reduction* reduction);
+  // Flushes every outbox and waits until each of `await_from` has a control message queued.
+  Status ControlExchange(const std::vector<int>& await_from, double limit_secs);
+  Pumped Pump(int peer, std::string* text);
+  std::vector<int> ControlPeers() const;
+  Status PumpAll(const std::vector<int>& peers);
+  Status Lost(int peer, const std::string& what);
+  Status Fail(const Status& status);
+  std::string Describe(int peer) const;
+
+  TcpOptions options_;
+  int size_;
+  std::vector<Peer> peers_;
+  std::vector<char> scratch_;  // one received chunk, before it is reduced
+  Status failed_;              // the first failure; every later call returns it
+  uint64_t control_received_ = 0;  // control bytes received so far (progress of a wait)
+};
+
+}  // namespace perseus

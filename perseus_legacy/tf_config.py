@@ -1,0 +1,220 @@
+"""Who is which rank in a job launched without MPI: TF_CONFIG, or `perseusrun --tcp`'s variables.
+
+The one place that reads TF_CONFIG for the process group. `TF_CONFIG` (TFJob, hand-started
+tasks) gives ranks to the chief (rank 0; `worker` 0 when there is no chief) and then the
+workers in index order; the evaluator is no rank. `perseusrun --tcp` passes
+`PERSEUS_TCP_RANK` and `PERSEUS_TCP_ADDRESSES` instead (TF_CONFIG would change what
+tf.estimator does). `controller_from_env()` decides between MPI and TCP.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
+MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+RANK_VARIABLE = "PERSEUS_TCP_RANK"
+ADDRESSES_VARIABLE = "PERSEUS_TCP_ADDRESSES"
+DEFAULT_START_TIMEOUT = 120.0
+# Task types that become ranks, in rank order; `master` is TF1's name for the chief.
+CHIEF_TYPES = ("chief", "master")
+KNOWN_TYPES = (*CHIEF_TYPES, "worker", "evaluator", "ps")
+
+
+class TFConfigError(ValueError):
+    """TF_CONFIG (or PERSEUS_TCP_*) cannot describe an allreduce job; the text says why."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """This process's place in the job; `rank` is None for a task that is not a rank."""
+
+    rank: int | None
+    addresses: tuple[str, ...]  # host:port of every rank, in rank order
+    task_type: str | None = None
+    task_index: int | None = None
+    local_rank: int | None = None
+    local_size: int | None = None
+    cross_rank: int | None = None
+    cross_size: int | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.addresses)
+
+    @property
+    def is_rank(self) -> bool:
+        """Whether this process takes part in the collectives (the evaluator does not)."""
+        return self.rank is not None
+
+
+def _excerpt(value: object, limit: int = 200) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _host(address: str) -> str:
+    return address.rsplit(":", 1)[0]
+
+
+def _check_address(address: object, where: str) -> str:
+    if not isinstance(address, str) or ":" not in address:
+        raise TFConfigError(f"TF_CONFIG: {where} is {_excerpt(address)!r}, expected 'host:port'")
+    port = address.rsplit(":", 1)[1]
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise TFConfigError(f"TF_CONFIG: {where} is {address!r}: the port must be 1-65535")
+    return address
+
+
+def make_cluster(rank: int | None, addresses: list[str], task_type: str | None = None,
+                 task_index: int | None = None) -> Cluster:
+    """A Cluster for `rank` of `addresses`, with local/cross ranks from the shared hosts."""
+    seen: dict[str, list[str]] = {}
+    for i, address in enumerate(addresses):
+        seen.setdefault(address, []).append(str(i))
+    duplicates = {a: ranks for a, ranks in seen.items() if len(ranks) > 1}
+    if duplicates:
+        address, ranks = next(iter(duplicates.items()))
+        raise TFConfigError(f"duplicate address {address!r}: ranks {', '.join(ranks)} would "
+                            "all listen on it; every task needs its own host:port")
+    if rank is None:
+        return Cluster(None, tuple(addresses), task_type, task_index)
+    hosts = [_host(a) for a in addresses]
+    local_ranks = [hosts[:r].count(hosts[r]) for r in range(len(hosts))]
+    mine = local_ranks[rank]
+    # Horovod's convention: cross ranks count the ranks that share this local rank.
+    return Cluster(rank, tuple(addresses), task_type, task_index,
+                   local_rank=mine, local_size=hosts.count(hosts[rank]),
+                   cross_rank=local_ranks[:rank].count(mine),
+                   cross_size=local_ranks.count(mine))
+
+
+def parse_tf_config(text: str) -> Cluster:
+    """The Cluster that a TF_CONFIG JSON string describes; TFConfigError quoting what is wrong."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TFConfigError(f"TF_CONFIG is not valid JSON ({exc}): {_excerpt(text)!r}") from None
+    if not isinstance(config, dict):
+        raise TFConfigError(f"TF_CONFIG must be a JSON object, got {_excerpt(text)!r}")
+    cluster, task = config.get("cluster"), config.get("task")
+    if not isinstance(cluster, dict) or not cluster:
+        raise TFConfigError(f"TF_CONFIG has no \"cluster\" object: {_excerpt(config)}")
+    if not isinstance(task, dict) or "type" not in task or "index" not in task:
+        raise TFConfigError("TF_CONFIG has no \"task\": {\"type\": ..., \"index\": ...}: "
+                            f"{_excerpt(config.get('task'))}")
+    for job, tasks in cluster.items():
+        if job not in KNOWN_TYPES:
+            raise TFConfigError(f"TF_CONFIG: unknown job {job!r} in cluster (known: "
+                                f"{', '.join(KNOWN_TYPES)})")
+        if not isinstance(tasks, list):
+            raise TFConfigError(f"TF_CONFIG: cluster[{job!r}] must be a list of 'host:port' "
+                                f"addresses, got {_excerpt(tasks)}")
+    task_type, index = task["type"], task["index"]
+    if cluster.get("ps") or task_type == "ps":
+        raise TFConfigError(
+            f"TF_CONFIG has parameter servers (cluster 'ps': {_excerpt(cluster.get('ps', []))}, "
+            f"task {_excerpt(task)}): allreduce training needs no parameter servers; remove the "
+            "'ps' job and start only chief/worker tasks (and an optional evaluator)")
+    if task_type not in KNOWN_TYPES:
+        raise TFConfigError(f"TF_CONFIG: unknown task type {_excerpt(task_type)!r} in "
+                            f"{_excerpt(task)}")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise TFConfigError(f"TF_CONFIG: task index {_excerpt(index)!r} is not a non-negative "
+                            f"integer in {_excerpt(task)}")
+    chiefs = [job for job in CHIEF_TYPES if cluster.get(job)]
+    if len(chiefs) > 1 or (chiefs and len(cluster[chiefs[0]]) != 1):
+        raise TFConfigError("TF_CONFIG: a cluster has at most one chief, got "
+                            f"{_excerpt({job: cluster[job] for job in chiefs})}")
+    ranked_jobs = chiefs + ["worker"]
+    addresses, owners = [], []
+    for job in ranked_jobs:
+        for i, address in enumerate(cluster.get(job, [])):
+            addresses.append(_check_address(address, f"cluster[{job!r}][{i}]"))
+            owners.append((job, i))
+    if not addresses:
+        raise TFConfigError(f"TF_CONFIG: the cluster has no chief or worker tasks: "
+                            f"{_excerpt(cluster)}")
+    if task_type == "evaluator":
+        if index >= max(1, len(cluster.get("evaluator", []))):
+            raise TFConfigError(f"TF_CONFIG: task {_excerpt(task)} is out of range: there is one "
+                                "evaluator (index 0)")
+        return make_cluster(None, addresses, task_type, index)
+    jobs = len(cluster.get(task_type, []))
+    if index >= jobs:
+        raise TFConfigError(f"TF_CONFIG: task {_excerpt(task)} is out of range: cluster "
+                            f"[{task_type!r}] has {jobs} task(s)")
+    return make_cluster(owners.index((task_type, index)), addresses, task_type, index)
+
+
+def parse_perseus_variables(rank_text: str, addresses_text: str) -> Cluster:
+    """The Cluster of `perseusrun --tcp`'s PERSEUS_TCP_RANK and PERSEUS_TCP_ADDRESSES."""
+    addresses = [a.strip() for a in addresses_text.split(",") if a.strip()]
+    if not addresses:
+        raise TFConfigError(f"{ADDRESSES_VARIABLE}={addresses_text!r} lists no host:port")
+    for i, address in enumerate(addresses):
+        _check_address(address, f"{ADDRESSES_VARIABLE} entry {i}")
+    if not rank_text.strip().isdigit() or int(rank_text) >= len(addresses):
+        raise TFConfigError(f"{RANK_VARIABLE}={rank_text!r} is not a rank of the "
+                            f"{len(addresses)} addresses in {ADDRESSES_VARIABLE}")
+    return make_cluster(int(rank_text), addresses)
+
+
+def cluster_from_env(env: Mapping[str, str] | None = None) -> Cluster | None:
+    """This process's Cluster from PERSEUS_TCP_* (first) or TF_CONFIG; None when neither is set.
+
+    `cluster_from_env().rank is None` answers "am I a rank?" for the evaluator.
+    """
+    env = os.environ if env is None else env
+    if env.get(ADDRESSES_VARIABLE):
+        return parse_perseus_variables(env.get(RANK_VARIABLE, ""), env[ADDRESSES_VARIABLE])
+    if env.get("TF_CONFIG", "").strip():
+        return parse_tf_config(env["TF_CONFIG"])
+    return None
+
+
+def controller_from_env(env: Mapping[str, str] | None = None) -> str:
+    """"mpi" or "tcp": PERSEUS_CONTROLLER if set; MPI under an MPI launcher; TCP with a cluster."""
+    env = os.environ if env is None else env
+    choice = env.get("PERSEUS_CONTROLLER", "").strip().lower()
+    if choice in ("mpi", "tcp"):
+        return choice
+    if choice:
+        raise ValueError(f"PERSEUS_CONTROLLER={env['PERSEUS_CONTROLLER']!r}: expected mpi or tcp")
+    if any(name in env for name in MPI_LAUNCHER_VARIABLES):
+        return "mpi"
+    if env.get(ADDRESSES_VARIABLE) or env.get("TF_CONFIG", "").strip():
+        return "tcp"
+    return "mpi"
+
+
+def start_timeout(env: Mapping[str, str] | None = None) -> float:
+    """PERSEUS_START_TIMEOUT: seconds the TCP ranks wait for each other at init()."""
+    env = os.environ if env is None else env
+    text = env.get("PERSEUS_START_TIMEOUT", "").strip()
+    if not text:
+        return DEFAULT_START_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"PERSEUS_START_TIMEOUT={text!r} is not a positive number of seconds")
+    return value
+
+
+def job_secret(env: Mapping[str, str] | None = None) -> str:
+    """PERSEUS_SECRET, which every TCP rank must share; a clear error when it is missing."""
+    env = os.environ if env is None else env
+    secret = env.get("PERSEUS_SECRET", "")
+    if not secret:
+        raise TFConfigError(
+            "a TCP (TF_CONFIG) launch needs PERSEUS_SECRET, the same value on every task, so "
+            "that only this job's tasks can join it; e.g. set it to the output of "
+            "`python -c 'import secrets; print(secrets.token_hex(16))'` for every task "
+            "(perseusrun --tcp creates one itself)")
+    return secret
