@@ -218,6 +218,34 @@ TcpController::TcpController(const TcpOptions& options)
       size_(static_cast<int>(options.addresses.size())),
       peers_(options.addresses.size()) {}
 
+// A socket closed with unread bytes in it sends a reset, and a reset can make the peer drop
+// what it has received but not read yet (such as the coordinator's last answer, announcing a
+// shutdown). So: send our end-of-stream, read and discard until the peer's (bounded), then close.
+TcpController::~TcpController() {
+  std::vector<pollfd> open;
+  for (Peer& p : peers_) {
+    for (Socket* socket : {&p.control, &p.data}) {
+      if (!socket->valid()) continue;
+      shutdown(socket->fd(), SHUT_WR);
+      open.push_back({socket->fd(), POLLIN, 0});
+    }
+  }
+  const double until = Now() + kNoticeWaitSecs;
+  char sink[4096];
+  while (!open.empty() && Now() < until) {
+    poll(open.data(), open.size(), 50);
+    for (size_t i = 0; i < open.size();) {
+      const ssize_t n = open[i].revents ? recv(open[i].fd, sink, sizeof sink, MSG_DONTWAIT) : -1;
+      if (open[i].revents && (n == 0 || (n < 0 && !WouldBlock(errno)))) {
+        open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
+        continue;
+      }
+      open[i].revents = 0;
+      ++i;
+    }
+  }
+}
+
 Status TcpController::Create(const TcpOptions& options, std::unique_ptr<Controller>* out) {
   const int size = static_cast<int>(options.addresses.size());
   if (size < 1 || options.rank < 0 || options.rank >= size) {

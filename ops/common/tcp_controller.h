@@ -50,7 +50,8 @@ class TcpController : public Controller {
   // them (at most options.start_timeout_secs). Collective.
   static Status Create(const TcpOptions& options, std::unique_ptr<Controller>* out);
   explicit TcpController(const TcpOptions& options);
-  ~TcpController() override = default;
+  // Closes every connection gracefully (see the definition).
+  ~TcpController() override;
 
   TcpController(const TcpController&) = delete;
   TcpController& operator=(const TcpController&) = delete;
