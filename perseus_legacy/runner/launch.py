@@ -345,6 +345,9 @@ def main(argv: list[str] | None = None) -> int:
             return check_build()
         env = dict(os.environ)
         env.setdefault("PERSEUS_SECRET", secrets.token_hex(16))  # the ranks' shared job secret
+        # TensorFlow's caching CPU allocator keeps large buffers mapped between steps instead of
+        # faulting fresh pages in for every large tensor (a set value is kept).
+        env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
         cmd = build_mpirun_command(args, env)
     except UsageError as exc:
         print(f"perseusrun: error: {exc}", file=sys.stderr)
