@@ -4,6 +4,9 @@
 //                 plane (the collectives themselves). MpiController today; a TCP one can follow.
 //   Coordinator - rank 0's negotiation logic: which tensors every rank has submitted, whether
 //                 they agree, in which order and fused how they run, which ones stall.
+// Beside them, transport-independent too: ResponseFuser (how ready allreduces are fused, shared by
+// the coordinator and the cache) and ResponseCache (every rank's copy of earlier answers, so that
+// a tensor seen before needs one bit-vector AND instead of a round through the coordinator).
 #pragma once
 
 #include <chrono>
