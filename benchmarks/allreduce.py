@@ -207,11 +207,12 @@ def main() -> None:
 
     if rank == 0:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "unset")
         print(f"\nfloat32 Sum allreduce, {size} ranks, TF {tf.__version__}, "
               f"{MPI.Get_library_version().splitlines()[0].split(',')[0]}, "
-              f"{os.cpu_count()} cores, load average {load}\n")
-        print("| size | TF op (ms) | TF op (GB/s) | mpi4py (ms) | mpi4py (GB/s) | TF op / mpi4py "
-              "| 1 op per session.run (ms) |")
+              f"{os.cpu_count()} cores, load average {load}, TF_CPU_ALLOCATOR_USE_BFC={bfc}\n")
+        print(f"| size | TF op, chain of {CHAIN} (ms/op) | TF op (GB/s) | mpi4py (ms) "
+              "| mpi4py (GB/s) | TF op / mpi4py | TF op, 1 per session.run (ms) |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for nbytes, op_s, single_s, mpi_s in rows:
             print(f"| {label(nbytes)} | {op_s * 1e3:.3f} | {nbytes / op_s / 1e9:.2f} | "
@@ -221,8 +222,9 @@ def main() -> None:
         print("|---|---:|---:|")
         print(f"| 100 x 16 KiB tensors | {many_s * 1e3:.3f} | {many_bytes / many_s / 1e9:.2f} |")
         print(f"| 1 x 1.6 MiB tensor | {one_s * 1e3:.3f} | {many_bytes / one_s / 1e9:.2f} |")
-        print(f"\nTF op: {CHAIN} allreduces in a row per session.run, time per allreduce. "
-              "TF op / mpi4py: bandwidth ratio (target >= 0.95x at >= 1 MiB).\n"
+        print(f"\nTF op, chain of {CHAIN}: {CHAIN} dependent allreduces per session.run, time per "
+              "allreduce (shares session.run's fixed cost). TF op / mpi4py: bandwidth ratio of "
+              "that column (target >= 0.95x at >= 1 MiB). 1 per session.run: the whole call.\n"
               f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x (target <= 1.5x).")
 
     # Rank 0 alone starts the TCP launch; the other MPI ranks have nothing left to do.

@@ -1,6 +1,7 @@
 #include "controller.h"
 
 #include <algorithm>
+#include <cstring>
 #include <sstream>
 #include <tuple>
 
@@ -270,20 +271,97 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) const 
   return fail("unknown collective type");
 }
 
-void Coordinator::AppendFused(Response response, int64_t bytes, std::vector<Response>* out,
-                              OpenFusions* open) const {
-  FusionKey key{response.dtype, response.reduce_op, response.prescale_factor,
-                response.postscale_factor, response.joined_ranks};
-  auto it = open->find(key);
-  if (it != open->end() && it->second.second + bytes <= options_.fusion_threshold_bytes) {
-    Response& fused = (*out)[it->second.first];
+void ResponseFuser::Add(Response response, int64_t bytes) {
+  if (response.type != ResponseType::kAllreduce) {
+    out_->push_back(std::move(response));
+    return;
+  }
+  // Allreduces reduce identically, and may share one buffer, when these agree (the last: the
+  // joined ranks that take part without data, which also sets an Average's divisor).
+  Key key{response.dtype, response.reduce_op, response.prescale_factor,
+          response.postscale_factor, response.joined_ranks};
+  auto it = open_.find(key);
+  if (it != open_.end() && it->second.second + bytes <= threshold_bytes_) {
+    Response& fused = (*out_)[it->second.first];
     fused.names.push_back(response.names.front());
     fused.sizes.insert(fused.sizes.end(), response.sizes.begin(), response.sizes.end());
     it->second.second += bytes;
     return;
   }
-  out->push_back(std::move(response));
-  (*open)[key] = {out->size() - 1, bytes};
+  out_->push_back(std::move(response));
+  open_[std::move(key)] = {out_->size() - 1, bytes};
+}
+
+void ResponseCache::Clear() {
+  entries_.clear();
+  slot_of_.clear();
+  recency_.clear();
+  free_.clear();
+}
+
+int64_t ResponseCache::Find(const std::string& name) const {
+  auto it = slot_of_.find(name);
+  return it == slot_of_.end() ? kMiss : static_cast<int64_t>(it->second);
+}
+
+void ResponseCache::Put(Response response, const RequestMeta& mine) {
+  if (capacity_ == 0) return;
+  auto found = slot_of_.find(mine.name);
+  if (found != slot_of_.end()) Erase(found->second);
+  if (free_.empty() && entries_.size() >= capacity_) Erase(recency_.back());
+  size_t slot;
+  if (!free_.empty()) {
+    slot = free_.back();
+    free_.pop_back();
+  } else {
+    slot = entries_.size();
+    entries_.emplace_back();
+  }
+  Entry& e = entries_[slot];
+  e.response = std::move(response);
+  e.mine = mine;
+  e.used = true;
+  recency_.push_front(slot);
+  e.recency = recency_.begin();
+  slot_of_[mine.name] = slot;
+}
+
+void ResponseCache::Touch(size_t slot) {
+  recency_.splice(recency_.begin(), recency_, entries_[slot].recency);
+}
+
+void ResponseCache::Erase(size_t slot) {
+  Entry& e = entries_[slot];
+  if (!e.used) return;
+  slot_of_.erase(e.mine.name);
+  recency_.erase(e.recency);
+  e = Entry();
+  free_.push_back(slot);
+}
+
+Status Controller::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
+  std::string mine(reinterpret_cast<const char*>(bits->data()), bits->size() * sizeof(uint64_t));
+  std::vector<std::string> all;
+  Status s = GatherToCoordinator(mine, &all);
+  if (!s.ok()) return s;
+  if (rank() == 0) {
+    for (const std::string& other : all) {
+      if (other.size() != mine.size()) return Status::Error("bit vectors of different lengths");
+      for (size_t i = 0; i < bits->size(); ++i) {
+        uint64_t word;
+        std::memcpy(&word, other.data() + i * sizeof(uint64_t), sizeof(word));
+        (*bits)[i] &= word;
+      }
+    }
+    mine.assign(reinterpret_cast<const char*>(bits->data()), mine.size());
+  }
+  s = BroadcastFromCoordinator(&mine);
+  if (!s.ok()) return s;
+  if (mine.size() != bits->size() * sizeof(uint64_t)) {
+    return Status::Error("malformed bit vector from the coordinator");
+  }
+  std::memcpy(bits->data(), mine.data(), mine.size());
+  return Status::OK();
 }
 
 std::string Coordinator::StallCheck(Clock::time_point now, std::vector<Response>* errors) {
@@ -347,20 +425,14 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
     join_changed_ = false;
   }
   ResponseList list;
-  OpenFusions open_fusions;
+  ResponseFuser fuser(options_.fusion_threshold_bytes, &list.responses);
   for (const std::string& name : ready_) {
     auto node = table_.extract(name);
     const Pending& p = node.mapped();
-    Response response = Validate(name, p);
-    if (response.type == ResponseType::kAllreduce) {
-      const auto first = std::find(p.submitted.begin(), p.submitted.end(), true);
-      const RequestMeta& meta = p.per_rank[first - p.submitted.begin()];
-      const int64_t bytes =
-          NumElements(meta.shape) * static_cast<int64_t>(DataTypeSize(meta.dtype));
-      AppendFused(std::move(response), bytes, &list.responses, &open_fusions);
-    } else {
-      list.responses.push_back(std::move(response));
-    }
+    const auto first = std::find(p.submitted.begin(), p.submitted.end(), true);
+    const RequestMeta& meta = p.per_rank[first - p.submitted.begin()];
+    fuser.Add(Validate(name, p),
+              NumElements(meta.shape) * static_cast<int64_t>(DataTypeSize(meta.dtype)));
   }
   ready_.clear();
 

@@ -4,10 +4,14 @@
 //                 plane (the collectives themselves). MpiController today; a TCP one can follow.
 //   Coordinator - rank 0's negotiation logic: which tensors every rank has submitted, whether
 //                 they agree, in which order and fused how they run, which ones stall.
+// Beside them, transport-independent too: ResponseFuser (how ready allreduces are fused, shared by
+// the coordinator and the cache) and ResponseCache (every rank's copy of earlier answers, so that
+// a tensor seen before needs one bit-vector AND instead of a round through the coordinator).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <list>
 #include <map>
 #include <string>
 #include <tuple>
@@ -37,6 +41,10 @@ class Controller {
   virtual Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) = 0;
   // The coordinator's `bytes` replace every other rank's.
   virtual Status BroadcastFromCoordinator(std::string* bytes) = 0;
+  // Every rank's `bits` (the same length everywhere) AND-ed together, in place. The default goes
+  // through the coordinator with the two calls above; a transport may override it with one
+  // collective.
+  virtual Status AllreduceBitsAnd(std::vector<uint64_t>* bits);
 
   // Data plane. Collective, in the same order on every rank.
   // out = reduce(in over ranks); in == out means in place.
@@ -61,6 +69,60 @@ struct CoordinatorOptions {
   double stall_shutdown_secs = 0.0;   // <= 0: never fail a stalled tensor
 };
 
+// Packs allreduces that reduce identically (same dtype, op, scale factors and joined ranks) into
+// one response, up to `threshold_bytes` each; other responses pass through in order.
+class ResponseFuser {
+ public:
+  ResponseFuser(int64_t threshold_bytes, std::vector<Response>* out)
+      : threshold_bytes_(threshold_bytes), out_(out) {}
+  // `bytes`: the tensor's size, for allreduces.
+  void Add(Response response, int64_t bytes);
+
+ private:
+  using Key = std::tuple<DataType, ReduceOp, double, double, std::vector<int64_t>>;
+  int64_t threshold_bytes_;
+  std::vector<Response>* out_;
+  // Per key: the index of the response still accepting tensors, and its bytes so far.
+  std::map<Key, std::pair<size_t, int64_t>> open_;
+};
+
+// The responses of tensors negotiated before, one slot each, so that a tensor seen again is
+// negotiated with one bit per slot (an AND over ranks: set where the rank has submitted it with
+// unchanged metadata) instead of a round through the coordinator. Every rank's copy holds the
+// same names in the same slots: it changes only with the responses that every rank executes, in
+// the same order (least recently executed evicted first). Each rank also keeps its own request
+// metadata, which may differ between ranks (allgather's first dimension).
+class ResponseCache {
+ public:
+  explicit ResponseCache(size_t capacity) : capacity_(capacity) {}
+  size_t capacity() const { return capacity_; }
+  size_t slots() const { return entries_.size(); }  // slots ever used; the bit vector's length
+  void Clear();
+
+  static constexpr int64_t kMiss = -1;
+  int64_t Find(const std::string& name) const;  // its slot, or kMiss
+  const Response& response(size_t slot) const { return entries_[slot].response; }
+  const RequestMeta& mine(size_t slot) const { return entries_[slot].mine; }
+
+  // After every rank executed `response` (one name, no joined ranks) with this rank's `mine`.
+  void Put(Response response, const RequestMeta& mine);
+  void Touch(size_t slot);  // executed again
+  void Erase(size_t slot);
+
+ private:
+  struct Entry {
+    Response response;
+    RequestMeta mine;
+    bool used = false;
+    std::list<size_t>::iterator recency;
+  };
+  size_t capacity_;
+  std::vector<Entry> entries_;
+  std::unordered_map<std::string, size_t> slot_of_;
+  std::list<size_t> recency_;  // used slots, most recently executed first
+  std::vector<size_t> free_;   // erased slots, reused before the vector grows
+};
+
 class Coordinator {
  public:
   explicit Coordinator(CoordinatorOptions options);
@@ -75,6 +137,9 @@ class Coordinator {
   // `stall_warning` receives text for rank 0's stderr when tensors wait on missing ranks.
   ResponseList Plan(Clock::time_point now, std::string* stall_warning);
 
+  // Whether tensors wait in the table (their stall checks need rounds through the coordinator).
+  bool has_pending() const { return !table_.empty(); }
+
  private:
   struct Pending {
     std::vector<RequestMeta> per_rank;  // indexed by rank, valid where submitted[rank]
@@ -86,17 +151,9 @@ class Coordinator {
     bool warned = false;
   };
 
-  // Allreduces reduce identically, and may share one buffer, when these agree (the last: the
-  // joined ranks that take part without data, which also sets an Average's divisor).
-  using FusionKey = std::tuple<DataType, ReduceOp, double, double, std::vector<int64_t>>;
-  // Per key: the index of the response still accepting tensors, and its bytes so far.
-  using OpenFusions = std::map<FusionKey, std::pair<size_t, int64_t>>;
-
   bool Ready(const Pending& p) const;
   void MarkReady(const std::string& name, Pending* p);
   Response Validate(const std::string& name, const Pending& p) const;
-  void AppendFused(Response response, int64_t bytes, std::vector<Response>* out,
-                   OpenFusions* open) const;
   std::string StallCheck(Clock::time_point now, std::vector<Response>* errors);
 
   CoordinatorOptions options_;

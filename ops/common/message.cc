@@ -71,6 +71,13 @@ class Reader {
 
 }  // namespace
 
+bool operator==(const RequestMeta& a, const RequestMeta& b) {
+  return a.type == b.type && a.dtype == b.dtype && a.reduce_op == b.reduce_op &&
+         a.root_rank == b.root_rank && a.prescale_factor == b.prescale_factor &&
+         a.postscale_factor == b.postscale_factor && a.shape == b.shape &&
+         a.splits == b.splits && a.name == b.name;
+}
+
 std::string Serialize(const RequestList& list) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(list.shutting_down | (list.joined << 1)));

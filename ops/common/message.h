@@ -23,6 +23,9 @@ struct RequestMeta {
   std::vector<int64_t> splits;
 };
 
+bool operator==(const RequestMeta& a, const RequestMeta& b);
+inline bool operator!=(const RequestMeta& a, const RequestMeta& b) { return !(a == b); }
+
 // One rank's contribution to a negotiation round: its requests that arrived since the last one.
 struct RequestList {
   std::vector<RequestMeta> requests;

@@ -290,6 +290,14 @@ Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
   return s.ok() ? Wait(&request, "MPI_Ibcast") : s;
 }
 
+Status MpiController::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
+  MPI_Request request;
+  Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
+                                  MPI_UINT64_T, MPI_BAND, control_, &request),
+                   "MPI_Iallreduce");
+  return s.ok() ? Wait(&request, "MPI_Iallreduce") : s;
+}
+
 MPI_Datatype MpiController::Type(DataType dtype) const {
   switch (dtype) {
     case DataType::kFloat16: return half_type_;

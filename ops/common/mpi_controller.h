@@ -36,6 +36,7 @@ class MpiController : public Controller {
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
   Status BroadcastFromCoordinator(std::string* bytes) override;
+  Status AllreduceBitsAnd(std::vector<uint64_t>* bits) override;
 
   Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
                    ReduceOp op) override;

@@ -33,6 +33,15 @@ namespace {
 // How long an idle rank sleeps before joining a round anyway, so that a peer's shutdown and the
 // coordinator's stall checks never wait on a rank that has nothing to submit.
 constexpr auto kHeartbeat = std::chrono::seconds(1);
+// How long a request waits on the response cache for the other ranks before it goes through the
+// coordinator instead, whose stall checks then see it.
+constexpr auto kCacheWaitLimit = std::chrono::seconds(1);
+
+// Flags of the first word of a round's bit vector: AND-ed over ranks, so each is set only when
+// it holds on every rank.
+constexpr uint64_t kNothingForCoordinator = 1;  // no new, changed or long-waiting requests
+constexpr uint64_t kNoRankJoined = 2;
+constexpr uint64_t kNothingNew = 4;             // no request arrived since the last round
 
 // PERSEUS_* settings, read once by Init (defaults are in the README's table).
 struct Config {
@@ -40,6 +49,7 @@ struct Config {
   double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
   double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
   double stall_shutdown_secs = 0.0;                     // PERSEUS_STALL_SHUTDOWN_SECS
+  double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
 };
 
 Status ReadNumber(const char* name, double* value) {
@@ -62,6 +72,7 @@ Status ReadConfig(Config* config) {
   if (s.ok()) s = ReadNumber("PERSEUS_CYCLE_TIME", &config->cycle_time_ms);
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &config->stall_warning_secs);
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
+  if (s.ok()) s = ReadNumber("PERSEUS_CACHE_CAPACITY", &config->cache_capacity);
   config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
   return s;
 }
@@ -135,8 +146,21 @@ class Runtime {
   Status CheckRequest(const CollectiveRequest& request) const;
   Status AdmitLocked(CollectiveRequest& request);
   void Loop();
-  bool RunRound(const RequestList& mine, bool* progressed);
-  bool Execute(const Response& response);
+  // A request this rank announced, with its metadata and where it waits for the other ranks.
+  struct Announced {
+    CollectiveRequest request;
+    RequestMeta meta;
+    bool cached = false;  // waits on the response cache, not in the coordinator's table
+    Clock::time_point cached_since;
+  };
+
+  bool RunRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed);
+  // The response cache's part of a round; `*full`: a round through the coordinator must follow.
+  bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
+                  bool* full);
+  bool CoordinatorRound(const RequestList& mine, bool* progressed);
+  bool Execute(const Response& response, bool from_cache);
+  bool CommunicationFailed(const Status& s, const char* during);
   // Each returns the transport's status (a failure stops the runtime). Those that ask the
   // framework for an output set `op` to the status the request completes with. No entries
   // (a null entry): this rank has joined and takes part without data.
@@ -177,7 +201,9 @@ class Runtime {
 
   // Background thread only.
   bool joined_ = false;  // this rank announced a join that has not finished yet
-  std::unordered_map<std::string, CollectiveRequest> announced_;
+  std::unordered_map<std::string, Announced> announced_;
+  std::vector<std::string> cached_;  // names of announced_ waiting on the cache, in arrival order
+  ResponseCache cache_{0};
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
   FusionBuffer fusion_;
 };
@@ -218,6 +244,8 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
     coordinator_ = std::make_unique<Coordinator>(options);
   }
   announced_.clear();
+  cached_.clear();
+  cache_ = ResponseCache(static_cast<size_t>(config_.cache_capacity));
   joined_ = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -354,6 +382,7 @@ void Runtime::Loop() {
   bool last_round_progressed = false;
   while (true) {
     RequestList mine;
+    std::vector<std::string> fresh;
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto has_news = [this] {
@@ -374,9 +403,10 @@ void Runtime::Loop() {
         }
       }
       for (CollectiveRequest& request : queue_) {
-        mine.requests.push_back(MetaOf(request));
-        std::string name = request.name;
-        announced_.emplace(std::move(name), std::move(request));
+        fresh.push_back(request.name);
+        Announced& a = announced_[request.name];
+        a.meta = MetaOf(request);
+        a.request = std::move(request);
       }
       queue_.clear();
       mine.shutting_down = shutdown_requested_;
@@ -385,11 +415,118 @@ void Runtime::Loop() {
         mine.joined = joined_ = true;
       }
     }
-    if (!RunRound(mine, &last_round_progressed)) return;
+    if (!RunRound(fresh, &mine, &last_round_progressed)) return;
   }
 }
 
-bool Runtime::RunRound(const RequestList& mine, bool* progressed) {
+bool Runtime::CommunicationFailed(const Status& s, const char* during) {
+  if (s.ok()) return false;
+  const std::string reason = "communication failed on rank " + std::to_string(rank_) + during +
+                             ": " + s.message();
+  Stop(reason, [&](const std::string& name) {
+    return "perseus_legacy: \"" + name + "\" failed: " + reason;
+  });
+  return true;
+}
+
+bool Runtime::RunRound(const std::vector<std::string>& fresh, RequestList* mine,
+                       bool* progressed) {
+  bool full = true;
+  if (cache_.capacity() == 0) {
+    for (const std::string& name : fresh) mine->requests.push_back(announced_[name].meta);
+  } else if (!CacheRound(fresh, mine, progressed, &full)) {
+    return false;
+  }
+  if (!full) return true;
+  bool coordinator_progress = false;
+  if (!CoordinatorRound(*mine, &coordinator_progress)) return false;
+  *progressed = (cache_.capacity() > 0 && *progressed) || coordinator_progress;
+  return true;
+}
+
+bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* mine,
+                         bool* progressed, bool* full) {
+  const size_t slots = cache_.slots();
+  const size_t words = (slots + 63) / 64;
+  // [flags][a bit per slot: submitted with unchanged metadata][a bit per slot: still valid]
+  std::vector<uint64_t> bits(1 + 2 * words, 0);
+  std::fill(bits.begin() + 1 + words, bits.end(), ~uint64_t{0});
+  const auto now = Clock::now();
+  std::vector<std::string> to_coordinator, waiting;
+  auto classify = [&](const std::string& name) {
+    Announced& a = announced_[name];
+    const int64_t slot = cache_.Find(name);
+    const bool fresh_hit = slot != ResponseCache::kMiss && !a.cached && cache_.mine(slot) == a.meta;
+    const bool waited = a.cached && now - a.cached_since > kCacheWaitLimit;
+    if (slot != ResponseCache::kMiss && ((!a.cached && !fresh_hit) || waited)) {
+      // Changed metadata, or waited too long: every rank drops the entry and sends its
+      // request for this name through the coordinator.
+      bits[1 + words + slot / 64] &= ~(uint64_t{1} << (slot % 64));
+    } else if (slot != ResponseCache::kMiss) {
+      if (!a.cached) a.cached_since = now;
+      a.cached = true;
+      bits[1 + slot / 64] |= uint64_t{1} << (slot % 64);
+      waiting.push_back(name);
+      return;
+    }
+    a.cached = false;
+    to_coordinator.push_back(name);
+  };
+  for (const std::string& name : cached_) classify(name);
+  for (const std::string& name : fresh) classify(name);
+  const bool busy_coordinator = coordinator_ && coordinator_->has_pending();
+  if (to_coordinator.empty() && !mine->shutting_down && !mine->joined && !busy_coordinator) {
+    bits[0] |= kNothingForCoordinator;
+  }
+  if (!joined_) bits[0] |= kNoRankJoined;
+  if (fresh.empty()) bits[0] |= kNothingNew;
+
+  if (CommunicationFailed(controller_->AllreduceBitsAnd(&bits), " while negotiating")) {
+    return false;
+  }
+  const bool no_rank_joined = (bits[0] & kNoRankJoined) != 0;
+  *full = !(bits[0] & kNothingForCoordinator) || !no_rank_joined;
+  *progressed = !(bits[0] & kNothingNew);
+
+  // Slots that are ready on every rank run now, in slot order, fused as the coordinator would.
+  std::vector<Response> ready;
+  ResponseFuser fuser(config_.fusion_threshold_bytes, &ready);
+  std::vector<size_t> invalid;
+  for (size_t slot = 0; slot < slots; ++slot) {
+    const uint64_t mask = uint64_t{1} << (slot % 64);
+    if (!(bits[1 + words + slot / 64] & mask)) {
+      invalid.push_back(slot);
+    } else if (bits[1 + slot / 64] & mask) {
+      const RequestMeta& meta = cache_.mine(slot);
+      cache_.Touch(slot);
+      fuser.Add(cache_.response(slot),
+                NumElements(meta.shape) * static_cast<int64_t>(DataTypeSize(meta.dtype)));
+    }
+  }
+  cached_.clear();
+  for (const std::string& name : waiting) {
+    Announced& a = announced_[name];
+    const int64_t slot = cache_.Find(name);
+    const uint64_t mask = uint64_t{1} << (slot % 64);
+    if (bits[1 + slot / 64] & mask) continue;  // ready: runs below
+    if (!no_rank_joined || !(bits[1 + words + slot / 64] & mask)) {
+      // The coordinator must see it: it counts joined ranks, or the slot is being dropped.
+      a.cached = false;
+      to_coordinator.push_back(name);
+    } else {
+      cached_.push_back(name);
+    }
+  }
+  for (size_t slot : invalid) cache_.Erase(slot);
+  for (const std::string& name : to_coordinator) mine->requests.push_back(announced_[name].meta);
+  if (!ready.empty()) *progressed = true;
+  for (const Response& response : ready) {
+    if (!Execute(response, /*from_cache=*/true)) return false;
+  }
+  return true;
+}
+
+bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
   std::vector<std::string> gathered;
   Status s = controller_->GatherToCoordinator(Serialize(mine), &gathered);
   std::string answer;
@@ -420,14 +557,7 @@ bool Runtime::RunRound(const RequestList& mine, bool* progressed) {
   if (s.ok() && !Deserialize(answer, &plan)) {
     s = Status::Error("malformed answer from the coordinator");
   }
-  if (!s.ok()) {
-    const std::string reason = "communication failed on rank " + std::to_string(rank_) +
-                               " while negotiating: " + s.message();
-    Stop(reason, [&](const std::string& name) {
-      return "perseus_legacy: \"" + name + "\" failed: " + reason;
-    });
-    return false;
-  }
+  if (CommunicationFailed(s, " while negotiating")) return false;
 
   *progressed = plan.progress;
   for (const Response& response : plan.responses) {
@@ -457,13 +587,13 @@ bool Runtime::RunRound(const RequestList& mine, bool* progressed) {
         break;
       }
       default:
-        if (!Execute(response)) return false;
+        if (!Execute(response, /*from_cache=*/false)) return false;
     }
   }
   return true;
 }
 
-bool Runtime::Execute(const Response& response) {
+bool Runtime::Execute(const Response& response, bool from_cache) {
   const bool without_data = std::find(response.joined_ranks.begin(), response.joined_ranks.end(),
                                       rank_.load()) != response.joined_ranks.end();
   std::vector<CollectiveRequest*> entries;
@@ -476,7 +606,7 @@ bool Runtime::Execute(const Response& response) {
       Stop(reason, [&](const std::string&) { return "perseus_legacy: " + reason; });
       return false;
     }
-    entries.push_back(&it->second);
+    entries.push_back(&it->second.request);
   }
 
   CollectiveRequest* entry = entries.empty() ? nullptr : entries.front();
@@ -497,6 +627,15 @@ bool Runtime::Execute(const Response& response) {
       return "perseus_legacy: \"" + name + "\" failed: " + reason;
     });
     return false;
+  }
+  if (!from_cache && response.joined_ranks.empty()) {
+    // Every rank executed it with its own data: remember it for the next time.
+    Response single = response;
+    single.names.clear();
+    for (const std::string& name : response.names) {
+      single.names = {name};
+      cache_.Put(single, announced_[name].meta);
+    }
   }
   if (!without_data) Complete(response.names, op);
   return true;
@@ -654,7 +793,7 @@ void Runtime::Complete(const std::vector<std::string>& names, const Status& stat
   }
   for (const std::string& name : names) {
     auto node = announced_.extract(name);
-    if (!node.empty()) node.mapped().done(status);
+    if (!node.empty()) node.mapped().request.done(status);
   }
 }
 
@@ -666,8 +805,9 @@ void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
     queued.swap(queue_);
     pending_names_.clear();
   }
-  for (auto& [name, request] : announced_) request.done(Status::Error(message_for(name)));
+  for (auto& [name, a] : announced_) a.request.done(Status::Error(message_for(name)));
   announced_.clear();
+  cached_.clear();
   for (CollectiveRequest& request : queued) request.done(Status::Error(message_for(request.name)));
   FinishJoin(Status::Error("perseus_legacy: join() failed: " + reason), -1);
 }

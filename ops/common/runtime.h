@@ -15,7 +15,8 @@ namespace perseus {
 // integer, e.g. from mpi4py's MPI._handleof(comm)) or 0 for MPI_COMM_WORLD. Calling Init again
 // while initialized is a no-op returning OK. Blocks until every rank has initialized.
 // Reads the PERSEUS_* settings (FUSION_THRESHOLD bytes, default 64 MiB; CYCLE_TIME ms, 1.0;
-// STALL_WARNING_SECS, 60; STALL_SHUTDOWN_SECS, 0 = never) on each call that initializes.
+// STALL_WARNING_SECS, 60; STALL_SHUTDOWN_SECS, 0 = never; CACHE_CAPACITY, 1024, 0 = no response
+// cache) on each call that initializes.
 // Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
 Status Init(intptr_t mpi_comm_handle);

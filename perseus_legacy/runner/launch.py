@@ -483,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ)
         if not env.get("PERSEUS_SECRET"):
             env["PERSEUS_SECRET"] = secrets.token_hex(16)  # the ranks' shared job secret
+        # TensorFlow's caching CPU allocator keeps large buffers mapped between steps instead of
+        # faulting fresh pages in for every large tensor (a set value is kept).
+        env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
         if args.tcp:
             envs = tcp_rank_envs(args, env)
         else:
