@@ -37,10 +37,14 @@ def launch_env(extra: dict | None = None) -> dict:
 
 
 def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun",
-            timeout: float = 180) -> list:
-    program = [sys.executable, str(ROOT / script), *map(str, args)]
+            timeout: float = 180, python: str | None = None) -> list:
+    """The launch command; `python` (default: this one) runs the ranks, and perseusrun too."""
+    python = python or sys.executable
+    program = [python, str(ROOT / script), *map(str, args)]
     if launcher == "perseusrun":
-        return [str(BIN / "perseusrun"), "-np", str(np), "--timeout", str(int(timeout)), *program]
+        perseusrun = ([str(BIN / "perseusrun")] if python == sys.executable
+                      else [python, "-m", "perseus_legacy.runner.launch"])
+        return [*perseusrun, "-np", str(np), "--timeout", str(int(timeout)), *program]
     if launcher == "mpirun":
         return [str(BIN / "mpirun"), "-np", str(np), "--allow-run-as-root", "--oversubscribe",
                 "--bind-to", "none", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
@@ -50,9 +54,10 @@ def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun"
 
 
 def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
-              env: dict | None = None, expect_failure: bool = False) -> subprocess.CompletedProcess:
+              env: dict | None = None, expect_failure: bool = False,
+              python: str | None = None) -> subprocess.CompletedProcess:
     """Runs `script` on `np` ranks; asserts it exits 0 (or non-zero with expect_failure)."""
-    cmd = command(np, script, args, launcher, timeout)
+    cmd = command(np, script, args, launcher, timeout, python)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
