@@ -30,7 +30,7 @@ def run_config(**kwargs: Any) -> Any:
     Rank 0 writes checkpoints and summaries into `model_dir`; every other rank gets a private
     temporary directory and writes nothing. An Estimator given it averages gradients, starts
     every rank from rank 0's variables and step, and evaluates on rank 0 in train_and_evaluate,
-    without any hooks. Calls init() if needed. See perseus_legacy.estimator._distributed.
+    without any hooks. Calls init() if needed (README: "Distributed Estimator").
     """
     from perseus_legacy.estimator import _distributed
 

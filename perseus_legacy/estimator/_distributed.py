@@ -132,9 +132,10 @@ def _is_distributed(estimator: Any) -> bool:
 
 
 def _checkpoint_step(model_dir: str) -> int:
-    if not tf.train.latest_checkpoint(model_dir):
+    try:
+        return int(tf.train.load_variable(model_dir, tf.compat.v1.GraphKeys.GLOBAL_STEP))
+    except Exception:  # no checkpoint, or none with a global step: 0, as Estimator.train() does
         return 0
-    return int(tf.train.load_variable(model_dir, tf.compat.v1.GraphKeys.GLOBAL_STEP))
 
 
 class _TrainingHook(tf.compat.v1.train.SessionRunHook):
@@ -264,7 +265,7 @@ def _batch_size(features: Any) -> tf.Tensor | None:
 def _call_model_fn(original: Callable, self: Any, features: Any, labels: Any, mode: Any,
                    config: Any) -> Any:
     spec = original(self, features, labels, mode, config)
-    if mode == tf.estimator.ModeKeys.TRAIN and _is_distributed(self):
+    if mode == _estimator_lib.ModeKeys.TRAIN and _is_distributed(self):
         with tf.name_scope("perseus_legacy"):
             batch = _batch_size(features)
         if batch is not None:

@@ -48,7 +48,7 @@ class ChiefGate:
             while not self._stop.wait(HEARTBEAT_SECS):
                 self._broadcast(np.array([_BUSY, 0, 0], np.int64), self._answered)
                 self._answered += 1
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the next sync()
+        except BaseException as exc:  # re-raised by the next sync()
             self._error = exc
 
     def _join_heartbeat(self) -> None:
