@@ -133,9 +133,9 @@ def test_run_config_alone_or_with_hooks_trains_like_one_process_on_the_global_ba
     """Custom model_fn (dense + embedding, Adam; each rank starts from other values) with the
     config alone and with estimator_hooks() too, and a DNNClassifier with the config alone: the
     final variables (Adam/Adagrad slots included) of every rank equal the single-process
-    reference and each other; rank 0's checkpoint holds them. The hooks given explicitly add no
-    collective: one allreduce per dense gradient, one allgather pair for the sparse one, one
-    broadcast per variable."""
+    reference and each other; rank 0's last checkpoint equals the reference's. The hooks given
+    explicitly add no collective: one allreduce per dense gradient, one allgather pair for the
+    sparse one, one broadcast per variable."""
     launch = runs.launch(version, np_)
     ref_record, ref_values = runs.reference(version)
     rank0_values = launch["ranks"][0][1]
@@ -162,21 +162,24 @@ def test_run_config_alone_or_with_hooks_trains_like_one_process_on_the_global_ba
 @PARAMS
 def test_retraining_agrees_on_rank_0s_checkpoint_step(runs, version, np_):
     """train() again to the same max_steps: no rank starts a session (all return, the launch
-    exits 0); then to 2 * max_steps: every rank starts at rank 0's saved step (the fresh ranks
-    get its variables and step) and ends with the reference's variables, identical across
-    ranks."""
+    exits 0); then to 2 * max_steps, then for steps=max_steps/2 more: every rank starts at rank
+    0's saved step (the fresh ranks get its variables and step before StopAtStepHook counts
+    from it) and ends with the reference's variables, identical across ranks."""
     launch = runs.launch(version, np_)
     _, ref_values = runs.reference(version)
     rank0_values = launch["ranks"][0][1]
     for rank, (record, values) in enumerate(launch["ranks"]):
         assert record["retrain_same"] == {"sessions": 0}, (rank, record["retrain_same"])
-        more = record["retrain_more"]
-        assert (more["sessions"], more["start_step"], more["end_step"]) == (1, STEPS, 2 * STEPS)
-        for name, want in scenario_values(ref_values, "retrain_more").items():
-            np.testing.assert_allclose(values[name], want, rtol=RTOL, atol=ATOL,
-                                       err_msg=f"rank {rank}: {name}")
-            np.testing.assert_array_equal(values[name], rank0_values[name],
-                                          err_msg=f"rank {rank} differs from rank 0: {name}")
+        for scenario, start_step, end_step in (("retrain_more", STEPS, 2 * STEPS),
+                                               ("more_steps", 2 * STEPS, 2 * STEPS + STEPS // 2)):
+            got = record[scenario]
+            assert (got["sessions"], got["start_step"], got["end_step"]) == (
+                1, start_step, end_step), (rank, scenario, got)
+            for name, want in scenario_values(ref_values, scenario).items():
+                np.testing.assert_allclose(values[name], want, rtol=RTOL, atol=ATOL,
+                                           err_msg=f"rank {rank}: {name}")
+                np.testing.assert_array_equal(values[name], rank0_values[name],
+                                              err_msg=f"rank {rank} differs from rank 0: {name}")
 
 
 @PARAMS
@@ -207,7 +210,7 @@ def test_only_rank_0_writes_and_private_model_dirs_are_removed_at_exit(runs, ver
     launch = runs.launch(version, np_)
     log_all = "PERSEUS_LOG_ALL_RANKS" in launch["env"]
     chief, _ = launch["ranks"][0]
-    for wanted in ("custom/checkpoint", f"custom/model.ckpt-{2 * STEPS}.index",
+    for wanted in ("custom/checkpoint", f"custom/model.ckpt-{2 * STEPS + STEPS // 2}.index",
                    f"canned/model.ckpt-{STEPS}.index", "train_eval/checkpoint"):
         assert wanted in chief["view_files"], chief["view_files"]
     assert any(f.startswith("custom/events.out.tfevents") for f in chief["view_files"])

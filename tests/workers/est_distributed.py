@@ -15,6 +15,7 @@ Scenarios, in order:
   canned         DNNClassifier, config only
   retrain_same   custom again to max_steps=STEPS (already there: every rank returns at once)
   retrain_more   custom to max_steps=2*STEPS: resumes from rank 0's checkpoint
+  more_steps     custom for steps=STEPS/2 more: every rank counts them from rank 0's step
   train_eval     train_and_evaluate without TF_CONFIG (rank 0 evaluates; its first evaluation
                  lasts SLOW_EVAL_SECONDS at least)
 """
@@ -166,9 +167,9 @@ def main() -> None:
             return pl.run_config(**kwargs)
         return tf.estimator.RunConfig(**kwargs)
 
-    def train(name, estimator, max_steps, hooks=(), classes=False):
+    def train(name, estimator, max_steps=None, hooks=(), classes=False, steps=None):
         capture = Capture()
-        estimator.train(input_fn(rank, size, classes), max_steps=max_steps,
+        estimator.train(input_fn(rank, size, classes), max_steps=max_steps, steps=steps,
                         hooks=[*hooks, capture])
         record[name] = capture.record
         values.update({f"{name}/{k}": v for k, v in capture.values.items()})
@@ -192,6 +193,7 @@ def main() -> None:
 
     train("retrain_same", custom, STEPS)
     train("retrain_more", custom, 2 * STEPS)
+    train("more_steps", custom, steps=STEPS // 2)
 
     train_eval = tf.estimator.Estimator(model_fn, config=config(
         "train_eval", save_checkpoints_steps=2))
