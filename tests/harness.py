@@ -42,16 +42,19 @@ CONTROLLERS = ("mpi", "tcp")
 
 
 def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun",
-            timeout: float = 180, controller: str = "mpi") -> list:
-    program = [sys.executable, str(ROOT / script), *map(str, args)]
+            timeout: float = 180, controller: str = "mpi", python: str | None = None) -> list:
+    """The launch command; `python` (default: this one) runs the ranks, and perseusrun too."""
+    python = python or sys.executable
+    program = [python, str(ROOT / script), *map(str, args)]
     if controller not in CONTROLLERS:
         raise ValueError(f"unknown controller {controller!r}")
     if controller == "tcp" and launcher != "perseusrun":
         raise ValueError("the TCP controller is launched with perseusrun --tcp")
     if launcher == "perseusrun":
+        perseusrun = ([str(BIN / "perseusrun")] if python == sys.executable
+                      else [python, "-m", "perseus_legacy.runner.launch"])
         tcp = ["--tcp"] if controller == "tcp" else []
-        return [str(BIN / "perseusrun"), *tcp, "-np", str(np), "--timeout", str(int(timeout)),
-                *program]
+        return [*perseusrun, *tcp, "-np", str(np), "--timeout", str(int(timeout)), *program]
     if launcher == "mpirun":
         return [str(BIN / "mpirun"), "-np", str(np), "--allow-run-as-root", "--oversubscribe",
                 "--bind-to", "none", "-x", "PYTHONPATH", "-x", "PYTHONUNBUFFERED",
@@ -62,9 +65,9 @@ def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun"
 
 def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
               env: dict | None = None, expect_failure: bool = False,
-              controller: str = "mpi") -> subprocess.CompletedProcess:
+              controller: str = "mpi", python: str | None = None) -> subprocess.CompletedProcess:
     """Runs `script` on `np` ranks; asserts it exits 0 (or non-zero with expect_failure)."""
-    cmd = command(np, script, args, launcher, timeout, controller)
+    cmd = command(np, script, args, launcher, timeout, controller, python)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:

@@ -23,6 +23,13 @@ if _keras.tensorflow_version() is not None:  # the native collectives work witho
     _compat.apply()
 
 
+def estimator_hooks() -> list:
+    """Training hooks equal to what perseus_legacy.run_config() applies (never applied twice)."""
+    from perseus_legacy.estimator import _distributed
+
+    return _distributed.estimator_hooks()
+
+
 def _api() -> Any:
     return importlib.import_module(_compat.API_V2)
 
@@ -43,5 +50,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    own = {"compat_report", "TPUUnavailableError", "Keras3AlreadyBoundError"}
+    own = {"compat_report", "TPUUnavailableError", "Keras3AlreadyBoundError", "estimator_hooks"}
     return sorted(own | {n for n in dir(_api()) if not n.startswith("_")})

@@ -15,6 +15,9 @@ import os
 import sys
 
 ENV = "TF_USE_LEGACY_KERAS"
+# Marks a TF_USE_LEGACY_KERAS this process set itself (launchers must not pass it on to
+# programs that may run another TensorFlow).
+_SET_HERE = "PERSEUS_SET_TF_USE_LEGACY_KERAS"
 _TRUE = ("true", "True", "1")  # the spellings TensorFlow accepts
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel",
                      "tensorflow-macos", "tf-nightly", "tf-nightly-cpu")
@@ -82,10 +85,19 @@ def select_legacy_keras() -> str:
             f"with {ENV}=1 in the environment.")
     elif requested is None:
         os.environ[ENV] = "1"
+        os.environ[_SET_HERE] = "1"
         decision = f"selected: {ENV}=1 set by perseus_legacy (tf-keras)"
     else:
         decision = f"selected: {ENV}={requested} set by the user (tf-keras)"
     return decision
+
+
+def inherited_environment() -> dict:
+    """os.environ without what select_legacy_keras() set in it (for child processes)."""
+    env = dict(os.environ)
+    if env.pop(_SET_HERE, None):
+        env.pop(ENV, None)
+    return env
 
 
 def require_legacy_keras() -> None:

@@ -25,6 +25,7 @@ import threading
 import time
 
 from perseus_legacy import tf_config
+from perseus_legacy.estimator import _keras
 
 # Forwarded to every rank (with `-x NAME`) whenever they are set.
 FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
@@ -480,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.check_build:
             return check_build()
-        env = dict(os.environ)
+        # Without what importing perseus_legacy set here: each rank's TensorFlow decides.
+        env = _keras.inherited_environment()
         if not env.get("PERSEUS_SECRET"):
             env["PERSEUS_SECRET"] = secrets.token_hex(16)  # the ranks' shared job secret
         # TensorFlow's caching CPU allocator keeps large buffers mapped between steps instead of

@@ -1,0 +1,115 @@
+"""Sync points led by rank 0, at which the other ranks may wait for as long as rank 0 is busy.
+
+Rank 0 alone does some work between training steps (evaluating a checkpoint, exporting a model).
+The other ranks must wait for it, but not inside a pending collective: a tensor that some ranks
+submitted and rank 0 did not is a stall to the runtime (a warning after
+PERSEUS_STALL_WARNING_SECS, an error after PERSEUS_STALL_SHUTDOWN_SECS). So every rank passes the
+same sequence of sync points, and while rank 0 works inside `busy()`, a thread of rank 0 answers
+the waiting ranks every HEARTBEAT_SECS with "still busy"; no collective stays pending for longer.
+
+Sync point n is a series of broadcasts from rank 0 named `<prefix>.<n>.<k>` (k = 0, 1, ...), each
+carrying a header [state, value, payload bytes]: BUSY makes the others ask again with k + 1, DONE
+ends the sync point (followed by `<prefix>.<n>.payload` when there are payload bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from perseus_legacy import basics
+
+HEARTBEAT_SECS = 0.5
+_DONE, _BUSY = 0, 1
+
+
+class ChiefGate:
+    """Sync points at which every rank takes rank 0's value; every rank must pass the same ones."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._point = 0  # the next sync point, the same on every rank
+        self._answered = 0  # BUSY answers rank 0 gave for it so far
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+
+    def _name(self, k: int | str) -> str:
+        return f"{self._prefix}.{self._point}.{k}"
+
+    def _broadcast(self, array: np.ndarray, k: int | str) -> np.ndarray:
+        return basics.core().broadcast(array, 0, self._name(k))
+
+    def _heartbeat(self) -> None:
+        try:
+            while not self._stop.wait(HEARTBEAT_SECS):
+                self._broadcast(np.array([_BUSY, 0, 0], np.int64), self._answered)
+                self._answered += 1
+        except BaseException as exc:  # re-raised by the next sync()
+            self._error = exc
+
+    def _join_heartbeat(self) -> None:
+        # The thread may be inside a broadcast: it completes as soon as the other ranks reach
+        # this sync point, where they are going (they pass no other collective before it).
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"perseus_legacy: rank 0 could not answer the ranks waiting for it: "
+                               f"{error}") from error
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """On rank 0: the ranks waiting at the next sync point keep being answered meanwhile.
+
+        Elsewhere, and with a single rank, it does nothing. The other ranks must not need rank 0
+        in any collective between this and the next sync point.
+        """
+        if basics.size() == 1 or basics.rank() != 0:
+            yield
+            return
+        self._join_heartbeat()  # a previous busy() before the same sync point
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._heartbeat, name="perseus-chief-busy",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            yield
+        finally:
+            self._stop.set()  # not joined here: the next sync() does, once the others are there
+
+    def sync(self, value: int = 0, payload: bytes = b"") -> tuple:
+        """Every rank gets `(value, payload)` of rank 0, once rank 0 reaches this point too."""
+        if basics.size() == 1:
+            return int(value), payload
+        try:
+            if basics.rank() == 0:
+                return self._lead(int(value), payload)
+            return self._follow()
+        finally:
+            self._point += 1
+            self._answered = 0
+
+    def _lead(self, value: int, payload: bytes) -> tuple:
+        self._join_heartbeat()
+        self._broadcast(np.array([_DONE, value, len(payload)], np.int64), self._answered)
+        if payload:
+            self._broadcast(np.frombuffer(payload, np.uint8), "payload")
+        return value, payload
+
+    def _follow(self) -> tuple:
+        k = 0
+        while True:
+            state, value, nbytes = self._broadcast(np.zeros(3, np.int64), k).tolist()
+            if state == _DONE:
+                break
+            k += 1
+        payload = b""
+        if nbytes:
+            payload = self._broadcast(np.zeros(nbytes, np.uint8), "payload").tobytes()
+        return value, payload
