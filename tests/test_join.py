@@ -9,11 +9,13 @@ import pytest
 from harness import run_ranks
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_join_lets_ranks_with_less_data_finish_and_the_others_reduce_over_ranks_with_data(np_):
+@pytest.mark.parametrize("np_, controller", [(2, "mpi"), (3, "mpi"), (3, "tcp")])
+def test_join_lets_ranks_with_less_data_finish_and_the_others_reduce_over_ranks_with_data(
+        np_, controller):
     """Uneven steps, every reduce op, fusion, allgather, broadcast, the errors for a joined root
     and alltoall, a request submitted before joining, join twice, shutdown during join."""
-    out = run_ranks(np_, "tests/workers/join_core.py", timeout=180).stdout
+    out = run_ranks(np_, "tests/workers/join_core.py", timeout=180,
+                    controller=controller).stdout
     for rank in range(np_):
         assert f"[rank {rank}] join core OK" in out, out
     for rank in range(np_ - 1):

@@ -9,12 +9,17 @@ import pytest
 from harness import ROOT, launch_env, run_ranks
 
 
-# Plain mpirun must work as well as perseusrun: the runtime reads ranks from MPI itself.
-@pytest.mark.parametrize("np_, launcher", [(1, "perseusrun"), (2, "mpirun"), (3, "perseusrun")])
-def test_tf_collectives_match_numpy_in_eager_function_and_session_modes(np_, launcher):
+# Plain mpirun must work as well as perseusrun: the runtime reads ranks from MPI itself. The
+# TCP controller (perseusrun --tcp) carries the same ops.
+@pytest.mark.parametrize("np_, launcher, controller", [
+    (1, "perseusrun", "mpi"), (2, "mpirun", "mpi"), (3, "perseusrun", "mpi"),
+    (2, "perseusrun", "tcp")])
+def test_tf_collectives_match_numpy_in_eager_function_and_session_modes(np_, launcher,
+                                                                          controller):
     """Every op x dtype, uneven shapes, every broadcast root, shuffled build orders, 200 fused
     tensors, the gradients of each op, and the error paths (before init, mismatched shapes)."""
-    out = run_ranks(np_, "tests/workers/tf_collectives.py", launcher=launcher, timeout=600).stdout
+    out = run_ranks(np_, "tests/workers/tf_collectives.py", launcher=launcher, timeout=600,
+                    controller=controller).stdout
     assert out.count("OK:") == np_, out
 
 
