@@ -135,6 +135,8 @@ class SlowEvaluation(tf.compat.v1.train.SessionRunHook):
         self.seconds = seconds
 
     def end(self, session):
+        # Stands for a long evaluation (the behaviour under test is the others waiting through
+        # it without a stall error); nothing synchronises on it.
         time.sleep(self.seconds)
         self.seconds = 0
 
