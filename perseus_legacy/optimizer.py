@@ -15,6 +15,7 @@ import tensorflow as tf
 from perseus_legacy import basics, ops
 from perseus_legacy.basics import Average
 from perseus_legacy.compression import Compression
+from perseus_legacy.hooks import SyncReplicasHook
 
 
 def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_dense: bool,
@@ -246,6 +247,4 @@ class SyncReplicasOptimizer(DistributedOptimizer):
         """The hook every rank passes to its MonitoredTrainingSession: it broadcasts rank 0's
         variables after the session is created (or restored) and keeps ranks stopping together.
         `is_chief` and `num_tokens` are accepted for compatibility; rank 0 is the chief."""
-        from perseus_legacy.hooks import SyncReplicasHook
-
         return SyncReplicasHook()
