@@ -9,6 +9,7 @@ non-zero exit, or a launch that outlives its timeout, fails the test with every 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,21 @@ def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun"
     raise ValueError(f"unknown launcher {launcher!r}")
 
 
+# Lines that say why a rank failed; TensorFlow's start-up noise about CUDA is not one of them.
+_FAILURE_LINE = re.compile(r"(Error|Exception|Segmentation fault|exited on signal|timed out)")
+_NOISE = ("cuInit", "type_inference", "Type inference")
+
+
+def failure_summary(out: str, limit: int = 20) -> str:
+    """The distinct lines of `out` that name an error, first ones first (at most `limit`)."""
+    seen: list[str] = []
+    for line in out.splitlines():
+        line = line.strip()
+        if _FAILURE_LINE.search(line) and not any(n in line for n in _NOISE) and line not in seen:
+            seen.append(line)
+    return "\n".join(seen[:limit])
+
+
 def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
               env: dict | None = None, expect_failure: bool = False,
               controller: str = "mpi", python: str | None = None) -> subprocess.CompletedProcess:
@@ -82,14 +98,18 @@ def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
         raise AssertionError(
-            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Output:\n{out}") from None
+            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Error lines:\n"
+            f"{failure_summary(out)}\nOutput:\n{out}") from None
     result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
     if launcher == "perseusrun" and proc.returncode == 124:
         raise AssertionError(
-            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Output:\n{out}")
+            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Error lines:\n"
+            f"{failure_summary(out)}\nOutput:\n{out}")
     failed = proc.returncode != 0
     if failed != expect_failure:
         verdict = "failed" if failed else "succeeded but was expected to fail"
+        # The summary comes first: a long output may be cut where a report shows it.
         raise AssertionError(
-            f"{' '.join(cmd)}\n{verdict} (exit {proc.returncode}). Output of all ranks:\n{out}")
+            f"{' '.join(cmd)}\n{verdict} (exit {proc.returncode}). Error lines:\n"
+            f"{failure_summary(out)}\nOutput of all ranks:\n{out}")
     return result
