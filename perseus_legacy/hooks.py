@@ -8,7 +8,7 @@ import numpy as np
 import tensorflow as tf
 
 from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average, Sum
+from perseus_legacy.basics import Average
 from perseus_legacy.graph_rewrite import distribute_graph
 
 
@@ -81,11 +81,12 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
     the number of update ops the last `begin()` rewrote.
 
     Ranks stop together: a rank whose session stops (end of its input, a StopAtStepHook, a
-    request_stop) calls `perseus_legacy.join()`, so the steps the others are in still complete,
-    and every step tells each rank how many ranks still run; the others then stop too. Steps
-    that some ranks ran without the others are undone: every rank ends with the variables of
-    the rank that completed the fewest steps, i.e. after the last step all ranks took part in
-    (`steps` is then the same everywhere). A rank that fails with an exception fails the others.
+    request_stop) calls `perseus_legacy.join()`, so the steps the others are in still complete;
+    a rank whose step ran a collective without a joined rank's data then stops too (the runtime
+    reports it; no collective is added to the step). Steps that some ranks ran without the
+    others are undone: every rank ends with the variables of the rank that completed the fewest
+    steps, i.e. after the last step all ranks took part in (`steps` is then the same
+    everywhere). A rank that fails with an exception fails the others.
     """
 
     def __init__(self, root_rank: int = 0, broadcast: bool = True, op: int = Average,
@@ -95,38 +96,31 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
         self.rewritten = 0
         self.steps = 0
         self._broadcast = BroadcastGlobalVariablesHook(root_rank, device) if broadcast else None
-        self._running = None
+        self._watch = False  # whether to stop when another rank has stopped
         self._variables: list = []
         self._settled = False
 
     def begin(self) -> None:
-        """Rewrites the default graph, then builds the broadcast and stop-agreement ops."""
+        """Rewrites the default graph, then builds the broadcast op."""
         graph = tf.compat.v1.get_default_graph()
         self.rewritten = distribute_graph(graph, op=self.op)
         if self._broadcast is not None:
             self._broadcast.begin()
-        self.steps, self._settled, self._running = 0, False, None
+        self.steps, self._settled = 0, False
         self._variables = tf.compat.v1.global_variables()
-        if basics.size() > 1:
-            with graph.name_scope(None), graph.control_dependencies(None):
-                self._running = ops.allreduce(tf.constant(1, tf.int32), op=Sum,
-                                              name="PerseusSync/ranks_running")
+        self._watch = basics.size() > 1
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Broadcasts the root rank's variables (unless broadcast=False)."""
         if self._broadcast is not None:
             self._broadcast.after_create_session(session, coord)
-
-    def before_run(self, run_context: Any) -> Any:
-        """Asks, with the step, how many ranks are still running."""
-        if self._running is None:
-            return None
-        return tf.compat.v1.train.SessionRunArgs(self._running)
+        if self._watch:
+            basics.core().take_peer_joined()  # forgets what happened before this session
 
     def after_run(self, run_context: Any, run_values: Any) -> None:
         """Stops this rank, in step with the others, once another rank has stopped."""
         self.steps += 1
-        if self._running is not None and int(run_values.results) < basics.size():
+        if self._watch and basics.core().take_peer_joined():
             self._settle(run_context.session)
             run_context.request_stop()
 
@@ -135,7 +129,7 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
         self._settle(session)
 
     def _settle(self, session: Any) -> None:
-        if self._settled or self._running is None:
+        if self._settled or not self._watch:
             return
         self._settled = True
         basics.join()

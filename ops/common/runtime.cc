@@ -129,6 +129,7 @@ class Runtime {
   void Shutdown();
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
   Status Join(int* last_joined_rank);
+  bool TakePeerJoined() { return peer_joined_.exchange(false); }
 
   bool initialized() const { return initialized_.load(); }
   int rank() const { return rank_.load(); }
@@ -180,6 +181,8 @@ class Runtime {
   std::atomic<int> cross_rank_{-1}, cross_size_{-1};
   std::atomic<bool> threads_supported_{false};
   std::atomic<bool> tcp_{false};
+  // Set when a collective of this rank ran while another rank had joined; TakePeerJoined resets.
+  std::atomic<bool> peer_joined_{false};
   Config config_;
   std::unique_ptr<Controller> controller_;
   std::thread thread_;
@@ -225,6 +228,7 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   if (!s.ok()) return s;
 
   config_ = config;
+  peer_joined_ = false;
   controller_ = std::move(controller);
   tcp_ = tcp != nullptr;
   rank_ = controller_->rank();
@@ -637,7 +641,10 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
       cache_.Put(single, announced_[name].meta);
     }
   }
-  if (!without_data) Complete(response.names, op);
+  if (!without_data) {
+    if (!response.joined_ranks.empty()) peer_joined_ = true;  // before the op's done callback
+    Complete(response.names, op);
+  }
   return true;
 }
 
@@ -842,5 +849,6 @@ std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
   return State().EnqueueAll(std::move(requests));
 }
 Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
+bool TakePeerJoined() { return State().TakePeerJoined(); }
 
 }  // namespace perseus

@@ -64,6 +64,11 @@ Status Enqueue(CollectiveRequest request);
 // transport fails, and when a Join is already in progress on this rank.
 Status Join(int* last_joined_rank);
 
+// Whether a collective of this rank ran while another rank had joined (its data was missing),
+// since the previous call; the call resets it. A rank learns this way, without a collective of
+// its own, that another rank has stopped.
+bool TakePeerJoined();
+
 // Enqueue for several requests with a single wake-up of the background thread (grouped ops).
 // Element i is what Enqueue would have returned for requests[i].
 std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);

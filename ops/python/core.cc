@@ -334,6 +334,9 @@ PYBIND11_MODULE(_core, m) {
       },
       "Blocks until every rank has called join() (this rank has no more data; it takes part in "
       "the others' collectives without data meanwhile); returns the rank that joined last.");
+  m.def("take_peer_joined", &TakePeerJoined,
+        "Whether a collective of this rank ran while another rank had joined, since the last "
+        "call (which resets it).");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("name"), py::arg("op") = 0,
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
         "Reduces `array` over all ranks (op: Average=0, Sum=1, Min=2, Max=3, Product=4).");

@@ -1,10 +1,11 @@
 """join() with the numpy collectives of perseus_legacy._core, checked against numpy.
 
 Phase 1: rank r runs 5 + 3r allreduce steps, then joins; each step's result is numpy's mean over
-the ranks still running. Phase 2 (join again in the same job): the last rank joins at once and
-the others run every reduce op, fused and prescaled allreduces, allgather, broadcast and the
-errors for a joined broadcast root and for alltoall. Phase 3: a request submitted before joining
-keeps its data. Phase 4: the last rank shuts down while the others are in join().
+the ranks still running, and take_peer_joined() says whether a rank was missing. Phase 2 (join
+again in the same job): the last rank joins at once and the others run every reduce op, fused
+and prescaled allreduces, allgather, broadcast and the errors for a joined broadcast root and
+for alltoall. Phase 3: a request submitted before joining keeps its data. Phase 4: the last rank
+shuts down while the others are in join().
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ def check_join_returns(rank: int, what: str, expected_last: int) -> None:
 
 
 def uneven_steps(rank: int, size: int) -> None:
+    _core.take_peer_joined()
     for step in range(steps_of(rank)):
         got = _core.allreduce(rank_data(rank, SHAPE, np.float32, seed=step), f"uneven.{step}")
         running = [r for r in range(size) if steps_of(r) > step]
+        # take_peer_joined(): whether this step ran without a joined rank's data.
+        if _core.take_peer_joined() != (len(running) < size):
+            fail(rank, f"uneven step {step}: take_peer_joined() is wrong with ranks {running} "
+                       f"of {size} running")
         expected = np.mean([rank_data(r, SHAPE, np.float32, seed=step) for r in running], axis=0)
         assert_close(rank, f"uneven step {step} (ranks {running} running)", got,
                      expected.astype(np.float32), rtol=1e-6)

@@ -21,10 +21,9 @@ MODES = ("hook", "session", "hook+distributed_optimizer")
 
 
 def collectives(graph: tf.Graph) -> list:
-    """The gradient collectives (broadcasts and the hook's stop agreement left out)."""
+    """The gradient collectives (the broadcasts left out)."""
     return [op.name for op in graph.get_operations()
-            if op.type in ("PerseusAllreduce", "PerseusAllgather")
-            and not op.name.startswith("PerseusSync/ranks_running")]
+            if op.type in ("PerseusAllreduce", "PerseusAllgather")]
 
 
 def distributed(opt_name: str, rank: int, size: int, mode: str) -> list:
