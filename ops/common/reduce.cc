@@ -19,11 +19,12 @@ float BitsFloat(uint32_t bits) {
 }
 
 template <typename T, typename Op>
-void ReduceLoop(const void* in, void* inout, int64_t count, Op op) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
+void ReduceLoop(const void* a_bytes, const void* b_bytes, void* out_bytes, int64_t count, Op op) {
+  const T* a = static_cast<const T*>(a_bytes);
+  const T* b = static_cast<const T*>(b_bytes);
+  T* out = static_cast<T*>(out_bytes);
   for (int64_t i = 0; i < count; ++i) {
-    b[i] = Arith<T>::Store(op(Arith<T>::Load(a[i]), Arith<T>::Load(b[i])));
+    out[i] = Arith<T>::Store(op(Arith<T>::Load(a[i]), Arith<T>::Load(b[i])));
   }
 }
 
@@ -76,23 +77,23 @@ bool IsIntegerType(DataType dtype) {
   });
 }
 
-void ReduceInto(DataType dtype, ReduceOp op, const void* in, void* inout, int64_t count) {
+void Reduce(DataType dtype, ReduceOp op, const void* a, const void* b, void* out, int64_t count) {
   DispatchDataType(dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using Acc = typename Arith<T>::Acc;
     switch (op) {
       case ReduceOp::kAverage:
       case ReduceOp::kSum:
-        ReduceLoop<T>(in, inout, count, [](Acc a, Acc b) { return static_cast<Acc>(a + b); });
+        ReduceLoop<T>(a, b, out, count, [](Acc x, Acc y) { return static_cast<Acc>(x + y); });
         break;
       case ReduceOp::kMin:
-        ReduceLoop<T>(in, inout, count, [](Acc a, Acc b) { return std::min(a, b); });
+        ReduceLoop<T>(a, b, out, count, [](Acc x, Acc y) { return std::min(x, y); });
         break;
       case ReduceOp::kMax:
-        ReduceLoop<T>(in, inout, count, [](Acc a, Acc b) { return std::max(a, b); });
+        ReduceLoop<T>(a, b, out, count, [](Acc x, Acc y) { return std::max(x, y); });
         break;
       case ReduceOp::kProduct:
-        ReduceLoop<T>(in, inout, count, [](Acc a, Acc b) { return static_cast<Acc>(a * b); });
+        ReduceLoop<T>(a, b, out, count, [](Acc x, Acc y) { return static_cast<Acc>(x * y); });
         break;
     }
   });

@@ -70,8 +70,14 @@ decltype(auto) DispatchDataType(DataType dtype, F&& f) {
 
 bool IsIntegerType(DataType dtype);  // integers and bool
 
-// inout[i] = op(in[i], inout[i]); Average reduces like Sum (the division happens afterwards).
-void ReduceInto(DataType dtype, ReduceOp op, const void* in, void* inout, int64_t count);
+// out[i] = op(a[i], b[i]); out may be a or b. Average reduces like Sum (the division happens
+// afterwards).
+void Reduce(DataType dtype, ReduceOp op, const void* a, const void* b, void* out, int64_t count);
+
+// inout[i] = op(in[i], inout[i]).
+inline void ReduceInto(DataType dtype, ReduceOp op, const void* in, void* inout, int64_t count) {
+  Reduce(dtype, op, in, inout, inout, count);
+}
 
 // dst[i] = src[i] * factor (src may equal dst). Integers multiply in double and truncate toward
 // zero, so large int64 values lose precision when factor != 1.

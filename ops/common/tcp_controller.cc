@@ -781,8 +781,10 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
         } else {
           chunk_fill += static_cast<size_t>(n);
           if (chunk_fill == chunk || received == piece.bytes) {
-            ReduceInto(reduction->dtype, reduction->op, scratch_.data(), piece.data + landed,
-                       static_cast<int64_t>(chunk_fill / item));
+            char* place = piece.data + landed;
+            Reduce(reduction->dtype, reduction->op, scratch_.data(),
+                   reduction->in + (place - reduction->out), place,
+                   static_cast<int64_t>(chunk_fill / item));
             landed += chunk_fill;
             chunk_fill = 0;
           }
@@ -829,9 +831,12 @@ Status TcpController::Allreduce(const void* in, void* out, int64_t count, DataTy
   if (!failed_.ok()) return failed_;
   const size_t item = DataTypeSize(dtype);
   char* data = static_cast<char*>(out);
-  if (in != out) std::memcpy(data, in, count * item);
+  const char* source = static_cast<const char*>(in);
   const int n = size_, me = options_.rank;
-  if (n == 1 || count == 0) return Status::OK();
+  if (n == 1 || count == 0) {
+    if (in != out) std::memcpy(data, in, count * item);
+    return Status::OK();
+  }
   // Segment s: elements [offset[s], offset[s + 1]).
   std::vector<int64_t> offset(n + 1, 0);
   for (int s = 0; s < n; ++s) offset[s + 1] = offset[s] + count / n + (s < count % n ? 1 : 0);
@@ -841,17 +846,21 @@ Status TcpController::Allreduce(const void* in, void* out, int64_t count, DataTy
   };
   // Reduce-scatter: step t sends segment me - t and reduces segment me - t - 1 into place;
   // afterwards this rank holds the sum of segment me + 1. Allgather: step t sends segment
-  // me + 1 - t and receives segment me - t. Every send forwards the previous step's receipt.
+  // me + 1 - t and receives segment me - t. Every send forwards the previous step's receipt,
+  // except the first, which sends this rank's own input: `out` is written only by receipts
+  // (each reduction combines a receipt with `in`), so the input is never copied to it first.
   std::vector<Piece> sends, recvs;
   for (int t = 0; t < n - 1; ++t) {
-    sends.push_back(segment(me - t));
+    Piece send = segment(me - t);
+    if (t == 0) send.data = const_cast<char*>(source) + (send.data - data);
+    sends.push_back(send);
     recvs.push_back(segment(me - t - 1));
   }
   for (int t = 0; t < n - 1; ++t) {
     sends.push_back(segment(me + 1 - t));
     recvs.push_back(segment(me - t));
   }
-  const Reduction reduction{dtype, op, static_cast<size_t>(n - 1)};
+  const Reduction reduction{dtype, op, static_cast<size_t>(n - 1), source, data};
   return Stream((me + 1) % n, sends, (me + n - 1) % n, recvs, 1, &reduction);
 }
 

@@ -90,11 +90,14 @@ class TcpController : public Controller {
     char* data;
     size_t bytes;
   };
-  // Received pieces [0, steps) are reduced into their buffer with `op`; later ones land there.
+  // Received pieces [0, steps) are reduced with `op` into their place in `out`, each with the
+  // bytes at the same offset of `in` (which may be `out`); later ones land there as they are.
   struct Reduction {
     DataType dtype;
     ReduceOp op;
     size_t steps;
+    const char* in;
+    const char* out;
   };
   enum class Pumped { kOk, kAbort, kClosed };
 
