@@ -30,7 +30,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = os.path.dirname(os.path.abspath(__file__))
 OTHER_TF_PYTHON = os.environ.get("PERSEUS_TF_PYTHON")
 COMMON_LIB = "libperseus_common.so"
-CXXFLAGS = ["-std=c++17", "-O2", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Wall",
+CXXFLAGS = ["-std=c++17", "-O3", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Wall",
             "-Wno-interference-size", "-Wno-deprecated-declarations", "-Wno-sign-compare"]
 
 
