@@ -9,8 +9,9 @@ session.run against one 1.6 MiB tensor: what fusion costs over a single collecti
 
 TCP column (unless --no-tcp): after the MPI tables, rank 0 starts a separate
 `perseusrun --tcp -np N` launch of this script (`--tcp-worker`), which times
-`perseus_legacy._core.allreduce` on numpy arrays over the TCP controller (no MPI), and prints it
-next to this run's mpi4py times (target: TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB).
+`perseus_legacy._core.allreduce` on numpy arrays over the TCP controller (no MPI), into a reused
+output array like mpi4py's receive buffer, and prints it next to this run's mpi4py times (target:
+TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB).
 
 How the op is measured:
 - The input is a variable, so no feed is copied into the graph each step.
@@ -131,10 +132,11 @@ def tcp_worker(sizes: list, repeats: int, budget_s: float) -> None:
     seconds = {}
     for nbytes in sizes:
         data = np.ones(nbytes // 4, np.float32)
+        out = np.empty_like(data)
         for _ in range(3):
-            _core.allreduce(data, "tcp_bench", op=pl.Sum)
+            _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
         t0 = time.perf_counter()
-        _core.allreduce(data, "tcp_bench", op=pl.Sum)
+        _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
         one = max(time.perf_counter() - t0, 1e-6)
         batch = agree(max(1, min(500, int(budget_s / repeats / one))))
         samples = []
@@ -142,7 +144,7 @@ def tcp_worker(sizes: list, repeats: int, budget_s: float) -> None:
             agree(0)
             t0 = time.perf_counter()
             for _ in range(batch):
-                _core.allreduce(data, "tcp_bench", op=pl.Sum)
+                _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
             samples.append((time.perf_counter() - t0) / batch)
         seconds[nbytes] = statistics.median(samples)
     if pl.rank() == 0:

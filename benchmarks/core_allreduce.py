@@ -1,7 +1,8 @@
 """Latency of perseus_legacy._core.allreduce, with and without the response cache, against mpi4py.
 
 Run: perseusrun -np 2 python benchmarks/core_allreduce.py [--iters N] [--repeats R]
-Each repeat measures mpi4py's Allreduce, then _core.allreduce with the response cache off
+Both write into a reused output array. Each repeat measures mpi4py's Allreduce, then
+_core.allreduce with the response cache off
 (PERSEUS_CACHE_CAPACITY=0: every call negotiates through the coordinator) and on (the default),
 re-initializing the runtime between the two, so load from elsewhere on the machine hits all three
 alike. Rank 0 prints the median over repeats of each repeat's median time per call.
@@ -54,7 +55,7 @@ def main() -> None:
                 os.environ["PERSEUS_CACHE_CAPACITY"] = capacity  # read by init()
                 _core.init(MPI._handleof(comm))
                 samples[label, what].append(median_seconds(
-                    lambda d=data: _core.allreduce(d, "bench", op=1), iters))
+                    lambda d=data, o=out: _core.allreduce(d, "bench", op=1, out=o), iters))
                 _core.shutdown()
     if comm.rank == 0:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -173,11 +173,30 @@ CollectiveRequest AllreduceRequest(const py::array& input, py::array& output,
   return request;
 }
 
+// `out`: None, or a C-contiguous writable array of the input's dtype and shape (it may be the
+// input itself) that receives the result.
+py::array OutputFor(const py::array& input, const py::object& out, const std::string& name) {
+  if (out.is_none()) return py::array(input.dtype(), ShapeOf(input));
+  const std::string where = "perseus_legacy.allreduce(\"" + name + "\"): out ";
+  if (!py::isinstance<py::array>(out)) throw py::type_error(where + "must be a numpy array");
+  py::array output = py::reinterpret_borrow<py::array>(out);
+  if (!(output.flags() & py::array::c_style) || !output.writeable()) {
+    throw py::value_error(where + "must be C-contiguous and writable");
+  }
+  if (!output.dtype().is(input.dtype()) || ShapeOf(output) != ShapeOf(input)) {
+    throw py::value_error(where + "has dtype " + std::string(py::str(output.dtype())) +
+                          " and shape " + std::string(py::str(output.attr("shape"))) +
+                          ", the input " + std::string(py::str(input.dtype())) + " and " +
+                          std::string(py::str(input.attr("shape"))));
+  }
+  return output;
+}
+
 py::array Allreduce(const py::object& value, const std::string& name, int op, double prescale,
-                    double postscale) {
+                    double postscale, const py::object& out) {
   RequireInitialized("allreduce");
   py::array input = Contiguous(value);
-  py::array output(input.dtype(), ShapeOf(input));
+  py::array output = OutputFor(input, out, name);
   std::vector<CollectiveRequest> requests;
   requests.push_back(AllreduceRequest(input, output, name, CheckedOp(op), prescale, postscale));
   SubmitAndWait(std::move(requests));
@@ -339,7 +358,9 @@ PYBIND11_MODULE(_core, m) {
         "call (which resets it).");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("name"), py::arg("op") = 0,
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
-        "Reduces `array` over all ranks (op: Average=0, Sum=1, Min=2, Max=3, Product=4).");
+        py::arg("out") = py::none(),
+        "Reduces `array` over all ranks (op: Average=0, Sum=1, Min=2, Max=3, Product=4) into a "
+        "new array, or into `out` (same dtype and shape; may be `array` itself).");
   m.def("grouped_allreduce", &GroupedAllreduce, py::arg("arrays"), py::arg("names"),
         py::arg("op") = 0, py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
         "Submits every allreduce, then waits for all: they may be fused into one.");

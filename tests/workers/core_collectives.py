@@ -106,6 +106,16 @@ def check_scaling(rank: int, size: int) -> None:
     assert_close(rank, "large", got, expected_reduce(data, AVERAGE, "float32", 2.0), rtol=1e-5)
     if not np.array_equal(data[rank], rank_data(rank, (1 << 20,), "float32", seed=20)):
         fail(rank, "allreduce modified its input")
+    # Into a given output, and in place (out is the input).
+    expected = expected_reduce(data, SUM, "float32")
+    out = np.full_like(data[rank], np.nan)
+    got = _core.allreduce(data[rank], "large.out", op=SUM, out=out)
+    if got is not out and not np.shares_memory(got, out):
+        fail(rank, "allreduce(out=...) did not return `out`")
+    assert_close(rank, "large.out", out, expected, rtol=1e-5)
+    inplace = data[rank].copy()
+    _core.allreduce(inplace, "large.inplace", op=SUM, out=inplace)
+    assert_close(rank, "large.inplace", inplace, expected, rtol=1e-5)
 
 
 def check_allgather(rank: int, size: int) -> None:
@@ -229,6 +239,14 @@ def check_argument_errors(rank: int) -> None:
     except ValueError as exc:
         if "bool" not in str(exc):
             fail(rank, f"bool allreduce message: {exc}")
+    for out, needle in ((np.ones(4, np.float32), "shape"), (np.ones(3, np.float64), "dtype"),
+                        (np.ones(6, np.float32)[::2], "C-contiguous"), ([0.0] * 3, "numpy")):
+        try:
+            _core.allreduce(np.ones(3, np.float32), "bad.out", out=out)
+            fail(rank, f"allreduce with a bad out ({needle}) did not raise")
+        except (TypeError, ValueError) as exc:
+            if needle not in str(exc) or "bad.out" not in str(exc):
+                fail(rank, f"bad out ({needle}) message: {exc}")
     try:
         _core.allgather(np.ones(3, np.complex64), "complex.ag")
         fail(rank, "complex64 did not raise")
