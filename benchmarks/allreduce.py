@@ -87,11 +87,12 @@ def session(graph: tf.Graph) -> tf.compat.v1.Session:
     return tf.compat.v1.Session(graph=graph, config=config)
 
 
-def tf_allreduce_step(shapes: list, chain: int = 1):
+def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False):
     """A Session step running `chain` rounds of one Sum-allreduce per shape, nothing fetched.
 
     Rounds are serialized by control dependencies, so each allreduce runs alone (never fused
-    with the next) and one session.run's fixed cost is shared by `chain` of them.
+    with the next) and one session.run's fixed cost is shared by `chain` of them. `grouped`:
+    each round is one grouped_allreduce op of all the shapes instead of one op per shape.
     """
     graph = tf.Graph()
     with graph.as_default():
@@ -100,8 +101,12 @@ def tf_allreduce_step(shapes: list, chain: int = 1):
         previous = []
         for k in range(chain):
             with tf.control_dependencies(previous):
-                previous = [pl.allreduce(v.read_value(), op=pl.Sum, name=f"bench_{i}_{k}")
-                            for i, v in enumerate(variables)]
+                if grouped:
+                    previous = pl.grouped_allreduce([v.read_value() for v in variables],
+                                                    op=pl.Sum, name=f"bench_group_{k}")
+                else:
+                    previous = [pl.allreduce(v.read_value(), op=pl.Sum, name=f"bench_{i}_{k}")
+                                for i, v in enumerate(variables)]
         target = tf.group(*previous)
         init = tf.compat.v1.global_variables_initializer()
     graph.finalize()
@@ -203,9 +208,10 @@ def main() -> None:
 
     many_bytes = 100 * 16 * KIB
     times = median_seconds({"many": tf_allreduce_step([[16 * KIB // 4]] * 100),
+                            "grouped": tf_allreduce_step([[16 * KIB // 4]] * 100, grouped=True),
                             "one": tf_allreduce_step([[many_bytes // 4]])},
                            args.repeats, args.budget)
-    many_s, one_s = times["many"], times["one"]
+    many_s, grouped_s, one_s = times["many"], times["grouped"], times["one"]
 
     if rank == 0:
         load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -222,12 +228,16 @@ def main() -> None:
                   f"{single_s * 1e3:.3f} |")
         print("\n| one session.run | time (ms) | GB/s |")
         print("|---|---:|---:|")
-        print(f"| 100 x 16 KiB tensors | {many_s * 1e3:.3f} | {many_bytes / many_s / 1e9:.2f} |")
+        print(f"| 100 x 16 KiB tensors, 100 allreduce ops | {many_s * 1e3:.3f} | "
+              f"{many_bytes / many_s / 1e9:.2f} |")
+        print(f"| 100 x 16 KiB tensors, one grouped_allreduce op | {grouped_s * 1e3:.3f} | "
+              f"{many_bytes / grouped_s / 1e9:.2f} |")
         print(f"| 1 x 1.6 MiB tensor | {one_s * 1e3:.3f} | {many_bytes / one_s / 1e9:.2f} |")
         print(f"\nTF op, chain of {CHAIN}: {CHAIN} dependent allreduces per session.run, time per "
               "allreduce (shares session.run's fixed cost). TF op / mpi4py: bandwidth ratio of "
               "that column (target >= 0.95x at >= 1 MiB). 1 per session.run: the whole call.\n"
-              f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x (target <= 1.5x).")
+              f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x as 100 ops, "
+              f"{grouped_s / one_s:.2f}x as one grouped op (target <= 1.5x).")
 
     # Rank 0 alone starts the TCP launch; the other MPI ranks have nothing left to do.
     pl.shutdown()

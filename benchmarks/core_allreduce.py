@@ -4,7 +4,8 @@ Run: perseusrun -np 2 python benchmarks/core_allreduce.py [--iters N] [--repeats
 Each repeat measures mpi4py's Allreduce, then _core.allreduce with the response cache off
 (PERSEUS_CACHE_CAPACITY=0: every call negotiates through the coordinator) and on (the default),
 re-initializing the runtime between the two, so load from elsewhere on the machine hits all three
-alike. All of them write into a reused output array. Rank 0 prints the median over repeats of each repeat's median time per call.
+alike. All of them write into a reused output array. Rank 0 prints the median over repeats of
+each repeat's median time per call.
 """
 
 from __future__ import annotations

@@ -198,8 +198,33 @@ def allreduce(tensor: TensorLike, op: int = Average, name: str | None = None,
 
 def _grouped_graph(tensors: list, op: int, name: str | None, prescale_factor: float,
                    postscale_factor: float) -> list:
-    return [allreduce(t, op, f"{name}_{i}" if name else None, prescale_factor, postscale_factor)
-            for i, t in enumerate(tensors)]
+    """The dense tensors in one PerseusGroupedAllreduce op, each tf.IndexedSlices on its own."""
+    results: list = [None] * len(tensors)
+    dense = {}
+    for i, tensor in enumerate(tensors):
+        if isinstance(tensor, tf.IndexedSlices):
+            results[i] = allreduce(tensor, op, f"{name}_{i}" if name else None, prescale_factor,
+                                   postscale_factor)
+            continue
+        tensor = tf.convert_to_tensor(tensor)
+        if tensor.dtype == tf.bool:
+            raise TypeError(f"perseus_legacy.grouped_allreduce does not reduce bool tensors "
+                            f"(tensor {i}): cast to int32")
+        dense[i] = tensor
+    if dense:
+        reduced = _grouped_dense(list(dense.values()), op, name, prescale_factor,
+                                 postscale_factor)
+        for i, result in zip(dense, reduced):
+            results[i] = result
+    return results
+
+
+def _grouped_dense(tensors: list, op: int, name: str | None, prescale_factor: float,
+                   postscale_factor: float) -> list:
+    tensor_name, op_name = _names("PerseusGroupedAllreduce", name)
+    return _op_library().perseus_grouped_allreduce(
+        tensors, reduce_op=op, prescale_factor=float(prescale_factor),
+        postscale_factor=float(postscale_factor), tensor_name=tensor_name, name=op_name)
 
 
 # Eagerly, each op would block until it completes: one round trip per tensor. As one function
@@ -279,6 +304,18 @@ def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
             "differentiable; only Average and Sum have gradients")
     return _allreduce_dense(grad, reduce_op, None, op.get_attr("prescale_factor"),
                             op.get_attr("postscale_factor"))
+
+
+@tf.RegisterGradient("PerseusGroupedAllreduce")
+def _grouped_allreduce_grad(op: tf.Operation, *grads: tf.Tensor) -> list:
+    reduce_op = op.get_attr("reduce_op")
+    if reduce_op not in (Average, Sum):
+        raise ValueError(
+            f"perseus_legacy.grouped_allreduce with op={REDUCE_OP_NAMES.get(reduce_op, reduce_op)}"
+            " is not differentiable; only Average and Sum have gradients")
+    grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
+    return _grouped_dense(grads, reduce_op, None, op.get_attr("prescale_factor"),
+                          op.get_attr("postscale_factor"))
 
 
 @tf.RegisterGradient("PerseusAllgather")

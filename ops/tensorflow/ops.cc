@@ -191,35 +191,118 @@ OutputAllocator AllocateOutputLater(OpKernelContext* ctx, int index) {
   };
 }
 
+// The reduction attributes of PerseusAllreduce and PerseusGroupedAllreduce.
+struct Reduction {
+  ReduceOp op = ReduceOp::kAverage;
+  float prescale_factor = 1.0f;  // TF op attributes have no double
+  float postscale_factor = 1.0f;
+
+  tf::Status Read(OpKernelConstruction* ctx) {
+    int reduce_op = 0;
+    TF_RETURN_IF_ERROR(ctx->GetAttr("reduce_op", &reduce_op));
+    if (reduce_op < 0 || reduce_op > static_cast<int>(ReduceOp::kProduct)) {
+      return tf::errors::InvalidArgument("unknown reduce_op ", reduce_op,
+                                         " (0=Average, 1=Sum, 2=Min, 3=Max, 4=Product)");
+    }
+    op = static_cast<ReduceOp>(reduce_op);
+    TF_RETURN_IF_ERROR(ctx->GetAttr("prescale_factor", &prescale_factor));
+    return ctx->GetAttr("postscale_factor", &postscale_factor);
+  }
+
+  void Apply(CollectiveRequest* request) const {
+    request->reduce_op = op;
+    request->prescale_factor = prescale_factor;
+    request->postscale_factor = postscale_factor;
+  }
+};
+
 class AllreduceOp : public CollectiveOpKernel {
  public:
   explicit AllreduceOp(OpKernelConstruction* ctx)
       : CollectiveOpKernel(ctx, CollectiveType::kAllreduce) {
-    int reduce_op = 0;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("reduce_op", &reduce_op));
-    OP_REQUIRES(ctx, reduce_op >= 0 && reduce_op <= static_cast<int>(ReduceOp::kProduct),
-                tf::errors::InvalidArgument("unknown reduce_op ", reduce_op,
-                                            " (0=Average, 1=Sum, 2=Min, 3=Max, 4=Product)"));
-    reduce_op_ = static_cast<ReduceOp>(reduce_op);
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("prescale_factor", &prescale_factor_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("postscale_factor", &postscale_factor_));
+    OP_REQUIRES_OK(ctx, reduction_.Read(ctx));
   }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     CollectiveRequest request;
     OP_REQUIRES_OK_ASYNC(ctx, StartRequest(ctx, &request), done);
     OP_REQUIRES_OK_ASYNC(ctx, output_.Get(ctx, &request.output), done);
-    request.reduce_op = reduce_op_;
-    request.prescale_factor = prescale_factor_;
-    request.postscale_factor = postscale_factor_;
+    reduction_.Apply(&request);
     Submit(ctx, std::move(request), std::move(done));
   }
 
  private:
-  ReduceOp reduce_op_ = ReduceOp::kAverage;
-  float prescale_factor_ = 1.0f;  // TF op attributes have no double
-  float postscale_factor_ = 1.0f;
+  Reduction reduction_;
   ReusedOutput output_;
+};
+
+// N tensors (dtypes may differ) reduced as N collectives named `<tensor_name>.<i>`, handed to the
+// runtime in one go, so that they are negotiated together and fused; done runs once all are.
+class GroupedAllreduceOp : public AsyncOpKernel {
+ public:
+  explicit GroupedAllreduceOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
+    if (tensor_name_.empty()) tensor_name_ = name();
+    OP_REQUIRES_OK(ctx, reduction_.Read(ctx));
+  }
+
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+    OP_REQUIRES_ASYNC(ctx, perseus::IsInitialized(),
+                      tf::errors::FailedPrecondition(
+                          "perseus_legacy has not been initialized: call perseus_legacy.init() "
+                          "before running PerseusGroupedAllreduce '", tensor_name_, "'"),
+                      done);
+    const int n = ctx->num_inputs();
+    std::vector<CollectiveRequest> requests(n);
+    for (int i = 0; i < n; ++i) {
+      CollectiveRequest& request = requests[i];
+      const Tensor& input = ctx->input(i);
+      request.name = tensor_name_ + "." + std::to_string(i);
+      request.type = CollectiveType::kAllreduce;
+      OP_REQUIRES_OK_ASYNC(ctx, ToPerseusDataType(input.dtype(), &request.dtype), done);
+      request.shape = ShapeOf(input.shape());
+      request.input = input.data();
+      Tensor* output = nullptr;
+      if (!ctx->forward_input_to_output_with_shape(i, i, input.shape(), &output)) {
+        OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(i, input.shape(), &output), done);
+      }
+      request.output = output->data();
+      reduction_.Apply(&request);
+    }
+    // The context stays valid until `done` runs, after the last request completed.
+    struct Group {
+      std::mutex mu;
+      int remaining;
+      std::string error;  // the first failure
+    };
+    auto group = std::make_shared<Group>();
+    group->remaining = n;
+    auto finish = [ctx, done, group, what = tensor_name_](const std::string& error) {
+      {
+        std::lock_guard<std::mutex> lock(group->mu);
+        if (!error.empty() && group->error.empty()) group->error = error;
+        if (--group->remaining > 0) return;
+      }
+      if (!group->error.empty()) {
+        ctx->SetStatus(tf::errors::Unknown("PerseusGroupedAllreduce '", what, "' failed: ",
+                                           group->error));
+      }
+      done();
+    };
+    for (CollectiveRequest& request : requests) {
+      request.done = [finish](const Status& status) {
+        finish(status.ok() ? std::string() : status.message());
+      };
+    }
+    std::vector<Status> admitted = perseus::EnqueueAll(std::move(requests));
+    for (const Status& status : admitted) {
+      if (!status.ok()) finish(status.message());  // refused: its done never runs
+    }
+  }
+
+ private:
+  std::string tensor_name_;
+  Reduction reduction_;
 };
 
 class AllgatherOp : public CollectiveOpKernel {
@@ -379,6 +462,21 @@ REGISTER_OP("PerseusAllreduce")
     .SetShapeFn(::tensorflow::shape_inference::UnchangedShape)
     .Doc("Reduces `tensor` across all ranks (reduce_op: 0=Average 1=Sum 2=Min 3=Max 4=Product).");
 
+REGISTER_OP("PerseusGroupedAllreduce")
+    .Attr("T: list({" PERSEUS_REDUCIBLE_TYPES "})")
+    .Attr("reduce_op: int")
+    .Attr("prescale_factor: float = 1.0")
+    .Attr("postscale_factor: float = 1.0")
+    .Attr("tensor_name: string = ''")
+    .Input("tensors: T")
+    .Output("reduced: T")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_inputs(); ++i) c->set_output(i, c->input(i));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc("Reduces every tensor of `tensors` like PerseusAllreduce, submitted together.");
+
 REGISTER_OP("PerseusAllgather")
     .Attr("T: {" PERSEUS_ALL_TYPES "}")
     .Attr("tensor_name: string = ''")
@@ -423,6 +521,7 @@ REGISTER_OP("PerseusAlltoall")
   REGISTER_KERNEL_BUILDER(Name(op).Device(device), kernel)
 
 PERSEUS_REGISTER_KERNEL("PerseusAllreduce", AllreduceOp, ::tensorflow::DEVICE_CPU);
+PERSEUS_REGISTER_KERNEL("PerseusGroupedAllreduce", GroupedAllreduceOp, ::tensorflow::DEVICE_CPU);
 PERSEUS_REGISTER_KERNEL("PerseusAllgather", AllgatherOp, ::tensorflow::DEVICE_CPU);
 PERSEUS_REGISTER_KERNEL("PerseusBroadcast", BroadcastOp, ::tensorflow::DEVICE_CPU);
 PERSEUS_REGISTER_KERNEL("PerseusAlltoall", AlltoallOp, ::tensorflow::DEVICE_CPU);

@@ -135,6 +135,17 @@ def build_cases(rank: int, size: int) -> list:
     cases.append(("grouped_allreduce Sum", lambda: tuple(pl.grouped_allreduce(
         [tf.constant(g[rank]) for g in group], op=pl.Sum, name="group")),
         tuple(reduce_numpy(g, pl.Sum, dt) for g, (_, dt) in zip(group, specs))))
+    # Dense tensors in one op, the sparse one gathered beside it, results in order.
+    rows = [rank_data(r, (2, 3), np.float32, seed=98) for r in everyone]
+    cases.append(("grouped_allreduce dense and sparse", lambda: (lambda out: (
+        out[0], *sparse_tuple(out[1]), out[2]))(pl.grouped_allreduce(
+            [tf.constant(group[0][rank]),
+             tf.IndexedSlices(tf.constant(rows[rank]), tf.constant([rank, size + rank]),
+                              tf.constant([2 * size, 3])),
+             tf.constant(group[1][rank])], op=pl.Average)),
+        (reduce_numpy(group[0], pl.Average, np.float32), np.concatenate(rows) / size,
+         np.array([i for r in everyone for i in (r, size + r)], np.int32),
+         reduce_numpy(group[1], pl.Average, np.float64))))
     datas = [rank_data(r, (4,), np.float32, seed=97) for r in everyone]
     cases.append(("allreduce Max with a user name", lambda x=datas[rank]: pl.allreduce(
         tf.constant(x), op=pl.Max, name="user name:0"), reduce_numpy(datas, pl.Max, np.float32)))
@@ -236,6 +247,9 @@ def gradient_cases(rank: int, size: int) -> list:
         cases.append((f"allreduce {OPS[op]}", lambda t, op=op: pl.allreduce(
             t, op=op, prescale_factor=0.5, postscale_factor=4.0), x[rank], w[rank],
             total_w * scale * 2.0))
+    # grouped_allreduce (Sum) of x and 2x, added: the gradient is 3 * the sum of the weights.
+    cases.append(("grouped_allreduce Sum", lambda t: tf.add_n(pl.grouped_allreduce(
+        [t, 2.0 * t], op=pl.Sum)), x[rank], w[rank], 3.0 * total_w))
     xs = [rank_data(r, (gather_rows(r) + 1, 2), np.float32, seed=202) for r in everyone]
     rows = sum(a.shape[0] for a in xs)
     ws = [rank_data(r, (rows, 2), np.float32, seed=203) for r in everyone]
