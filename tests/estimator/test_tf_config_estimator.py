@@ -259,3 +259,25 @@ def test_evaluator_without_checkpoints_times_out_clearly(jobs):
     output = job["outputs"]["evaluator0"]
     assert "EvaluatorTimeoutError" in output and "no new checkpoint at all" in output, output
     assert "PERSEUS_EVALUATOR_TIMEOUT_SECS" in output, output
+
+
+def test_evaluator_config_joins_no_group_and_takes_its_timeout(monkeypatch, tmp_path):
+    """In this process (no launch): the evaluator's run_config() is tf.estimator's evaluator
+    config, initialises nothing, and reads its timeout from the argument or the variable."""
+    import perseus_legacy as pl
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                "task": {"type": "evaluator", "index": 0}}))
+    monkeypatch.setenv("PERSEUS_EVALUATOR_TIMEOUT_SECS", "7")
+    config = pl.run_config(model_dir=str(tmp_path))
+    assert (config.task_type, config.model_dir, config.evaluator_timeout_secs) == (
+        "evaluator", str(tmp_path), 7.0)
+    assert not config.cluster_spec and not pl.is_initialized()
+    unlimited = pl.run_config(model_dir=str(tmp_path), evaluator_timeout_secs=0)
+    assert unlimited.evaluator_timeout_secs == 0
+    monkeypatch.setenv("PERSEUS_EVALUATOR_TIMEOUT_SECS", "soon")
+    with pytest.raises(ValueError, match="PERSEUS_EVALUATOR_TIMEOUT_SECS='soon'"):
+        pl.run_config(model_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"evaluator_timeout_secs=-1\)"):
+        pl.run_config(model_dir=str(tmp_path), evaluator_timeout_secs=-1)
