@@ -295,10 +295,10 @@ def _agree_on_steps(steps: Any, max_steps: Any) -> None:
     every = basics.core().allgather(mine, "perseus.estimator.train_steps")
     if (every == mine).all():
         return
-    show = lambda v: "None" if v < 0 else str(v)  # noqa: E731
     for column, name in ((1, "max_steps"), (0, "steps")):
         if len(set(every[:, column].tolist())) > 1:
-            values = ", ".join(f"rank {r}: {show(v)}" for r, v in enumerate(every[:, column]))
+            values = ", ".join(f"rank {r}: {'None' if v < 0 else v}"
+                               for r, v in enumerate(every[:, column].tolist()))
             raise ValueError(
                 f"perseus_legacy (rank {basics.rank()}): the ranks called Estimator.train() with "
                 f"different {name} ({values}); every rank must train for the same steps")
