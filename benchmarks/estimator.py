@@ -3,7 +3,9 @@
     python benchmarks/estimator.py [--steps 60] [--repeats 3]
 
 Launches every configuration itself with `perseusrun` (one intra-op thread per rank, so each
-rank has one core of its own on a 2-core host) and prints a markdown table: global examples/s,
+rank has one core's worth of compute on a 2-core host; ranks are not pinned, perseusrun's
+default, so a rank's TensorFlow and perseus_legacy threads are not confined to one core) and
+prints a markdown table: global examples/s,
 time per step, and the scaling efficiency against the baseline measured in the same run, one
 process with a plain tf.estimator.RunConfig (examples/s over ranks times the baseline's,
 per-rank batch fixed). The model is benchmarks/training.py's small CNN in a custom model_fn
@@ -85,7 +87,7 @@ def worker(kind: str, steps: int) -> None:
 
 def launch(kind: str, ranks: int, steps: int) -> dict:
     perseusrun = Path(sys.executable).parent / "perseusrun"
-    cmd = [str(perseusrun), "-np", str(ranks), "--timeout", "600", "--bind-to", "core",
+    cmd = [str(perseusrun), "-np", str(ranks), "--timeout", "600", "--bind-to", "none",
            *[a for k, v in THREADS.items() for a in ("-x", f"{k}={v}")],
            sys.executable, __file__, "--worker", kind, "--steps", str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=660)
