@@ -15,6 +15,7 @@ import concurrent.futures
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -156,7 +157,7 @@ def wait_all(procs: list, timeout: float, stop_on_failure: bool) -> list:
         if stop_on_failure and any(p.returncode for p in procs if p.poll() is not None):
             break
     for proc in pending:
-        os.killpg(proc.pid, 9)
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     return [p.returncode for p in procs]
 
@@ -239,7 +240,7 @@ def test_without_an_evaluator_the_chief_evaluates_and_every_rank_returns_its_met
 def test_ps_tasks_fail_every_process_clearly(jobs):
     job = jobs.job("ps")
     for who, code in job["codes"].items():
-        assert code not in (0, None) and code > 0, (who, job["everything"])
+        assert code > 0, (who, job["everything"])
         assert "allreduce training needs no parameter servers" in job["outputs"][who], \
             job["everything"]
 
