@@ -1,11 +1,12 @@
 """Synchronous data-parallel tf.estimator training on every rank, from the RunConfig alone.
 
 `run_config()` returns a `DistributedRunConfig`. An Estimator given one trains like a single
-process on the global batch: this module wraps four Estimator internals once (the wrappers change
+process on the global batch: this module wraps five Estimator internals once (the wrappers change
 nothing for any other RunConfig), because a RunConfig has no say in the hooks of a training run:
 
-- `Estimator.train`: before anything else, every rank takes the global step of rank 0's latest
-  checkpoint, so all ranks skip a finished training together, or all train.
+- `Estimator.train`: before anything else, the ranks check that they were all given the same
+  steps and max_steps, then every rank takes the global step of rank 0's latest checkpoint, so
+  all ranks skip a finished training together, or all train.
 - `Estimator._train_with_estimator_spec`: puts a SyncReplicasHook (gradient averaging by graph
   rewrite, then rank 0's variables broadcast after the session restored or initialised them) at
   the front of the hooks, unless the hooks given already hold one, and the hook that passes rank
