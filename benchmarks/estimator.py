@@ -21,6 +21,7 @@ import perseus_legacy as pl
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,8 @@ class Timer(tf.compat.v1.train.SessionRunHook):
 def worker(kind: str, steps: int) -> None:
     """One rank: trains WARMUP + `steps` steps; rank 0 prints a RESULT line."""
     rank = 0
-    kwargs = {"model_dir": tempfile.mkdtemp(prefix="bench_estimator_"), "tf_random_seed": 1,
+    model_dir = tempfile.mkdtemp(prefix="bench_estimator_")
+    kwargs = {"model_dir": model_dir, "tf_random_seed": 1,
               "save_checkpoints_steps": None, "save_checkpoints_secs": None,
               "save_summary_steps": 0, "log_step_count_steps": None,
               "session_config": tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
@@ -79,6 +81,7 @@ def worker(kind: str, steps: int) -> None:
     tf.estimator.Estimator(model_fn, config=config).train(
         lambda: tf.data.Dataset.from_tensors((images, labels)).repeat(),
         max_steps=WARMUP + steps, hooks=[timer])
+    shutil.rmtree(model_dir, ignore_errors=True)
     if rank == 0:
         ranks = pl.size() if kind == "run_config" else 1
         print("RESULT " + json.dumps({"seconds": timer.ended - timer.started,
