@@ -41,8 +41,9 @@ tf215-ops: .venv-tf215/.tf_ops_built
 		--build-temp build/tf215
 	touch $@
 
+# A DNNClassifier Estimator on scikit-learn's digits, 2 ranks, run_config() only.
 demo: build
-	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/perseusrun -np 2 $(PY) examples/allreduce_smoke.py
+	TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/perseusrun -np 2 $(PY) examples/estimator.py --steps 200
 
 bench: build
 	$(VENV)/bin/perseusrun -np 2 $(PY) benchmarks/allreduce.py

@@ -1,0 +1,284 @@
+"""perseus_legacy.run_config() under TF_CONFIG: chief, worker and evaluator started by hand as
+separate processes on free localhost ports (no launcher), on TF 2.21 (.venv) and on the real
+tf.estimator of TF 2.15.1 (.venv-tf215).
+
+Every job of tests/workers/est_tf_config.py starts at once in the background (its processes
+mostly wait on each other); each has a deadline, and the first process of a job that should
+succeed and fails ends the others. The chief's final checkpoint is compared with a plain
+single-process run on the global batch (the reference, no perseus_legacy code) with numpy:
+variables and evaluation metrics within rtol 1e-5, atol 1e-6 (float32 sums in another order).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tf_matrix import available, env, python_for
+
+from perseus_legacy import tf_config
+from perseus_legacy.runner.launch import free_local_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "tests" / "workers" / "est_tf_config.py"
+STEPS = 6  # est_tf_config.STEPS
+RTOL, ATOL = 1e-5, 1e-6
+JOB_TIMEOUT = 360
+SECRET = "est-tf-config-secret"
+
+# job -> (TensorFlow, cluster jobs and their sizes, tasks started: (type, index, max_steps),
+#         extra environment, whether every task should exit 0)
+JOBS = {
+    "main": ("main", {"chief": 1, "worker": 1, "evaluator": 1},
+             [("evaluator", 0, STEPS), ("chief", 0, STEPS), ("worker", 0, STEPS)], {}, True),
+    "tf215": ("tf215", {"chief": 1, "worker": 1, "evaluator": 1},
+              [("evaluator", 0, STEPS), ("chief", 0, STEPS), ("worker", 0, STEPS)], {}, True),
+    "no_evaluator": ("main", {"chief": 1, "worker": 1},
+                     [("chief", 0, STEPS), ("worker", 0, STEPS)], {}, True),
+    "ps": ("main", {"chief": 1, "worker": 1, "ps": 1},
+           [("chief", 0, STEPS), ("worker", 0, STEPS), ("ps", 0, STEPS)], {}, False),
+    "max_steps": ("main", {"chief": 1, "worker": 1},
+                  [("chief", 0, STEPS), ("worker", 0, STEPS + 2)], {}, False),
+    "evaluator_timeout": ("main", {"chief": 1, "worker": 1, "evaluator": 1},
+                          [("evaluator", 0, STEPS)], {"PERSEUS_EVALUATOR_TIMEOUT_SECS": "3"},
+                          False),
+}
+
+
+def task_env(version: str, cluster: dict, task_type: str, index: int, extra: dict) -> dict:
+    result = env({"TF_CONFIG": json.dumps({"cluster": cluster,
+                                           "task": {"type": task_type, "index": index}}),
+                  "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "300", **extra})
+    for name in ("PERSEUS_CONTROLLER", "PERSEUS_TCP_RANK", "PERSEUS_TCP_ADDRESSES",
+                 *tf_config.MPI_LAUNCHER_VARIABLES):
+        result.pop(name, None)
+    if version == "tf215":
+        result["TF_USE_LEGACY_KERAS"] = "0"  # TF 2.15's tf.keras is Keras 2 (no tf-keras there)
+    return result
+
+
+class Jobs:
+    """Every job and reference, started at once; results per job."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="tf_config_estimator_"))
+        versions = {spec[0] for spec in JOBS.values() if available(spec[0])}
+        ports = iter(free_local_ports(sum(sum(spec[1].values()) for spec in JOBS.values())))
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(JOBS) + len(versions))
+        self.references = {v: self.pool.submit(self._reference, v) for v in sorted(versions)}
+        self.jobs = {}
+        for name, (version, sizes, tasks, extra, ok) in JOBS.items():
+            cluster = {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
+                       for job, n in sizes.items()}
+            if available(version):
+                self.jobs[name] = self.pool.submit(self._job, name, version, cluster, tasks,
+                                                   extra, ok)
+
+    def _start(self, version: str, out: Path, args: list, who: str,
+               task_env_: dict | None = None) -> tuple:
+        log = open(out / f"{who}.log", "w")  # a file: no pipe to fill while others run
+        proc = subprocess.Popen([python_for(version), str(WORKER), str(out), *map(str, args)],
+                                cwd=ROOT, env=task_env_ or env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        return proc, out / f"{who}.log"
+
+    def _reference(self, version: str) -> dict:
+        out = self.root / f"{version}_reference"
+        out.mkdir()
+        proc, log = self._start(version, out, [out / "model", "reference"], "reference")
+        codes = wait_all([proc], JOB_TIMEOUT, stop_on_failure=True)
+        assert codes == [0], f"the reference exited {codes}:\n{log.read_text()[-8000:]}"
+        with np.load(out / "reference.npz") as values:
+            variables = {k: values[k] for k in values.files}
+        return {"record": json.loads((out / "reference.json").read_text()),
+                "variables": variables}
+
+    def _job(self, name: str, version: str, cluster: dict, tasks: list, extra: dict,
+             ok: bool) -> dict:
+        out = self.root / name
+        out.mkdir()
+        model_dir = out / "model"
+        procs, logs = [], []
+        for task_type, index, max_steps in tasks:
+            who = f"{task_type}{index}"
+            proc, log = self._start(version, out, [model_dir, "task", who, max_steps], who,
+                                    task_env(version, cluster, task_type, index, extra))
+            procs.append(proc)
+            logs.append(log)
+        codes = wait_all(procs, JOB_TIMEOUT, stop_on_failure=ok)
+        result = {"codes": {}, "outputs": {}, "records": {}, "variables": {},
+                  "model_dir": model_dir, "cluster": cluster}
+        for (task_type, index, _), code, log in zip(tasks, codes, logs):
+            who = f"{task_type}{index}"
+            result["codes"][who] = code
+            result["outputs"][who] = log.read_text()
+            if (out / f"{who}.json").exists():
+                result["records"][who] = json.loads((out / f"{who}.json").read_text())
+            if (out / f"{who}.npz").exists():
+                with np.load(out / f"{who}.npz") as values:
+                    result["variables"][who] = {k: values[k] for k in values.files}
+        result["everything"] = "\n".join(f"--- {who} exited {result['codes'][who]}:\n{text}"
+                                         for who, text in result["outputs"].items())
+        return result
+
+    def job(self, name: str) -> dict:
+        python_for(JOBS[name][0])  # skips or fails, with the reason, when the venv is missing
+        return self.jobs[name].result()
+
+    def reference(self, version: str) -> dict:
+        return self.references[version].result()
+
+    def stop(self) -> None:
+        self.pool.shutdown(wait=True)  # every job ends by its own deadline at the latest
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def wait_all(procs: list, timeout: float, stop_on_failure: bool) -> list:
+    """Exit codes; past `timeout`, or when one fails with `stop_on_failure`, the rest are killed
+    (their code is then negative)."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending and time.monotonic() < deadline:
+        try:
+            pending[0].wait(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            pass
+        pending = [p for p in procs if p.poll() is None]
+        if stop_on_failure and any(p.returncode for p in procs if p.poll() is not None):
+            break
+    for proc in pending:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return [p.returncode for p in procs]
+
+
+@pytest.fixture(scope="module")
+def jobs():
+    result = Jobs()
+    yield result
+    result.stop()
+
+
+def assert_close(got: dict, expected: dict, what: str) -> None:
+    assert sorted(got) == sorted(expected), (what, sorted(got), sorted(expected))
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{what}: {name}")
+
+
+def files_under(path: Path) -> list:
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("name", ["main", "tf215"])
+def test_chief_worker_and_evaluator_train_like_one_process_and_the_evaluator_exports(jobs, name):
+    """Chief + worker train synchronously over the TCP group, no TF server anywhere; the
+    evaluator, no rank, evaluates the chief's checkpoints up to the final one, writes
+    model_dir/eval and a LatestExporter export, and exits. The chief's final checkpoint and the
+    evaluator's final metrics equal the reference's; the worker wrote only into its private
+    (removed) model_dir, and nothing there."""
+    job = jobs.job(name)
+    everything = job["everything"]
+    assert job["codes"] == {"evaluator0": 0, "chief0": 0, "worker0": 0}, everything
+    reference = jobs.reference(JOBS[name][0])
+    chief_values = job["variables"]["chief0"]
+    assert int(chief_values["global_step"]) == STEPS
+    assert_close(chief_values, reference["variables"], f"{name} chief checkpoint")
+
+    records = job["records"]
+    for who, record in records.items():
+        assert record["servers"] == [], (who, record)
+    for who in ("chief0", "worker0"):  # TF would see a distributed config, theirs is local
+        record = records[who]
+        assert not record["cluster_spec"] and record["plain_cluster_spec"], (who, record)
+    assert (records["chief0"]["rank"], records["worker0"]["rank"]) == (0, 1)
+    assert records["chief0"]["result"] is None and records["worker0"]["result"] is None
+    assert records["worker0"]["model_dir"] != str(job["model_dir"])
+    assert records["worker0"]["private_files"] == [], records["worker0"]
+    assert not Path(records["worker0"]["model_dir"]).exists()  # removed at exit
+
+    evaluator = records["evaluator0"]
+    assert evaluator["rank"] is None and evaluator["model_dir"] == str(job["model_dir"])
+    final = evaluator["eval_events"][str(STEPS)]
+    expected = reference["record"]["metrics"]
+    for tag in ("accuracy", "loss", "average_loss"):
+        np.testing.assert_allclose(final[tag], expected[tag], rtol=RTOL, atol=ATOL, err_msg=tag)
+    assert max(int(step) for step in evaluator["eval_events"]) == STEPS
+    assert any(f.endswith("saved_model.pb") for f in evaluator["exports"]), evaluator["exports"]
+    written = files_under(job["model_dir"])
+    assert "checkpoint" in written and f"model.ckpt-{STEPS}.index" in written, written
+    assert any(f.startswith("eval/") for f in written), written
+
+
+def test_without_an_evaluator_the_chief_evaluates_and_every_rank_returns_its_metrics(jobs):
+    """TF_CONFIG with chief + worker only: train_and_evaluate evaluates on the chief, as under
+    perseusrun; both ranks return the chief's final metrics, equal to the reference's."""
+    job = jobs.job("no_evaluator")
+    assert job["codes"] == {"chief0": 0, "worker0": 0}, job["everything"]
+    expected = jobs.reference("main")["record"]["metrics"]
+    for who, record in job["records"].items():
+        got = record["result"]
+        assert got is not None and got.keys() == expected.keys(), (who, got)
+        assert got["global_step"] == STEPS, (who, got)
+        np.testing.assert_allclose([got[k] for k in sorted(got)],
+                                   [expected[k] for k in sorted(expected)],
+                                   rtol=RTOL, atol=ATOL, err_msg=who)
+        assert record["servers"] == [], (who, record)
+    assert any(f.startswith("eval/") for f in files_under(job["model_dir"]))
+
+
+def test_ps_tasks_fail_every_process_clearly(jobs):
+    job = jobs.job("ps")
+    for who, code in job["codes"].items():
+        assert code > 0, (who, job["everything"])
+        assert "allreduce training needs no parameter servers" in job["outputs"][who], \
+            job["everything"]
+
+
+def test_ranks_given_different_max_steps_fail_naming_ranks_and_values(jobs):
+    job = jobs.job("max_steps")
+    for who, code in job["codes"].items():
+        assert code > 0, (who, job["everything"])
+        assert (f"different max_steps (rank 0: {STEPS}, rank 1: {STEPS + 2})"
+                in job["outputs"][who]), job["everything"]
+    assert not (job["model_dir"] / "checkpoint").exists()
+
+
+def test_evaluator_without_checkpoints_times_out_clearly(jobs):
+    job = jobs.job("evaluator_timeout")
+    assert job["codes"]["evaluator0"] > 0, job["everything"]
+    output = job["outputs"]["evaluator0"]
+    assert "EvaluatorTimeoutError" in output and "no new checkpoint at all" in output, output
+    assert "PERSEUS_EVALUATOR_TIMEOUT_SECS" in output, output
+
+
+def test_evaluator_config_joins_no_group_and_takes_its_timeout(monkeypatch, tmp_path):
+    """In this process (no launch): the evaluator's run_config() is tf.estimator's evaluator
+    config, initialises nothing, and reads its timeout from the argument or the variable."""
+    import perseus_legacy as pl
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                "task": {"type": "evaluator", "index": 0}}))
+    monkeypatch.setenv("PERSEUS_EVALUATOR_TIMEOUT_SECS", "7")
+    config = pl.run_config(model_dir=str(tmp_path))
+    assert (config.task_type, config.model_dir, config.evaluator_timeout_secs) == (
+        "evaluator", str(tmp_path), 7.0)
+    assert not config.cluster_spec and not pl.is_initialized()
+    unlimited = pl.run_config(model_dir=str(tmp_path), evaluator_timeout_secs=0)
+    assert unlimited.evaluator_timeout_secs == 0
+    monkeypatch.setenv("PERSEUS_EVALUATOR_TIMEOUT_SECS", "soon")
+    with pytest.raises(ValueError, match="PERSEUS_EVALUATOR_TIMEOUT_SECS='soon'"):
+        pl.run_config(model_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"evaluator_timeout_secs=-1\)"):
+        pl.run_config(model_dir=str(tmp_path), evaluator_timeout_secs=-1)

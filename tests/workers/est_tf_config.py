@@ -1,0 +1,156 @@
+"""One TF_CONFIG task of an Estimator job (chief, worker or evaluator), or its reference.
+
+Usage: est_tf_config.py OUT_DIR MODEL_DIR task WHO [MAX_STEPS]   (TF_CONFIG set by the test)
+       est_tf_config.py OUT_DIR MODEL_DIR reference              (one plain process)
+
+Every task runs `train_and_evaluate` on a DNNClassifier built on perseus_legacy.run_config()
+(LatestExporter, checkpoints every 2 steps, MAX_STEPS default STEPS). A rank trains on its slice
+of every global batch; the reference trains one plain Estimator on the whole global batch, then
+evaluates its final checkpoint. Each process writes OUT_DIR/<WHO>.json (what it saw) and, on the
+chief and the reference, OUT_DIR/<WHO>.npz (the variables of the final checkpoint).
+"""
+
+from __future__ import annotations  # noqa: I001 (import order below is deliberate)
+
+# perseus_legacy first: on TF >= 2.16 it brings tf.estimator back and selects legacy Keras.
+import perseus_legacy as pl
+
+import json
+import os
+import sys
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.training import server_lib
+
+SEED = 11
+STEPS = 6
+GLOBAL_BATCH = 16
+FEATURES, CLASSES = 4, 3
+SERVERS: list = []  # every TF server (tf.distribute.Server) this process created
+
+
+def _recording_init(original):
+    def init(self, *args, **kwargs):
+        SERVERS.append(repr(args[:1]))
+        return original(self, *args, **kwargs)
+
+    return init
+
+
+server_lib.Server.__init__ = _recording_init(server_lib.Server.__init__)
+
+
+def data(rows: int, seed: int) -> tuple:
+    rng = np.random.RandomState(seed)  # the same stream under numpy 1.26 (TF 2.15) and 2
+    x = rng.normal(size=(rows, FEATURES)).astype(np.float32)
+    y = (np.abs(x[:, 0] + 2 * x[:, 1]).astype(np.int64)) % CLASSES
+    return {"x": x}, y
+
+
+def train_input_fn(rank: int, size: int):
+    """This rank's contiguous slice of every global batch, for `STEPS` global batches."""
+    features, y = data(GLOBAL_BATCH * STEPS, 1)
+    local = GLOBAL_BATCH // size
+    part = np.concatenate([np.arange(s * GLOBAL_BATCH + rank * local,
+                                     s * GLOBAL_BATCH + (rank + 1) * local) for s in range(STEPS)])
+    return lambda: tf.data.Dataset.from_tensor_slices(
+        ({"x": features["x"][part]}, y[part])).batch(local).repeat()
+
+
+def eval_input_fn():
+    features, y = data(40, 2)
+    return tf.data.Dataset.from_tensor_slices((features, y)).batch(10)
+
+
+COLUMNS = [tf.feature_column.numeric_column("x", shape=[FEATURES])]
+
+
+def estimator(config):
+    return tf.estimator.DNNClassifier(hidden_units=[8], feature_columns=COLUMNS,
+                                      n_classes=CLASSES, config=config)
+
+
+def config_kwargs(model_dir: str) -> dict:
+    return {"model_dir": model_dir, "tf_random_seed": SEED, "save_checkpoints_steps": 2,
+            "session_config": tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                                       inter_op_parallelism_threads=1)}
+
+
+def files_under(path: str) -> list:
+    return sorted(os.path.relpath(os.path.join(d, f), path)
+                  for d, _, names in os.walk(path) for f in names)
+
+
+def checkpoint_values(model_dir: str) -> dict:
+    return {name: tf.train.load_variable(model_dir, name)
+            for name, _ in tf.train.list_variables(model_dir)}
+
+
+def eval_events(model_dir: str) -> dict:
+    """step -> {tag: value} of the evaluation summaries under model_dir/eval."""
+    steps: dict = {}
+    for name in files_under(os.path.join(model_dir, "eval")):
+        if "tfevents" not in name:
+            continue
+        for event in tf.compat.v1.train.summary_iterator(os.path.join(model_dir, "eval", name)):
+            for value in event.summary.value:
+                if value.HasField("simple_value"):
+                    steps.setdefault(str(event.step), {})[value.tag] = value.simple_value
+    return steps
+
+
+def numbers(result) -> dict:
+    return {k: float(v) for k, v in (result or {}).items()}
+
+
+def reference(out: str, model_dir: str) -> None:
+    est = estimator(tf.estimator.RunConfig(**config_kwargs(model_dir)))
+    est.train(train_input_fn(0, 1), max_steps=STEPS)
+    record = {"metrics": numbers(est.evaluate(eval_input_fn))}
+    np.savez(os.path.join(out, "reference.npz"), **checkpoint_values(model_dir))
+    with open(os.path.join(out, "reference.json"), "w") as f:
+        json.dump(record, f, indent=1)
+
+
+def task(out: str, model_dir: str, who: str, max_steps: int) -> None:
+    config = pl.run_config(**config_kwargs(model_dir))
+    evaluator = config.task_type == "evaluator"
+    rank, size = (None, None) if evaluator else (pl.rank(), pl.size())
+    est = estimator(config)
+    exporter = tf.estimator.LatestExporter("latest", tf.estimator.export.
+                                           build_parsing_serving_input_receiver_fn(
+                                               tf.feature_column.make_parse_example_spec(COLUMNS)))
+    train_spec = tf.estimator.TrainSpec(train_input_fn(rank or 0, size or 1), max_steps=max_steps)
+    eval_spec = tf.estimator.EvalSpec(eval_input_fn, steps=None, exporters=[exporter],
+                                      start_delay_secs=0, throttle_secs=1)
+    result = tf.estimator.train_and_evaluate(est, train_spec, eval_spec)
+    record = {
+        "rank": rank, "size": size, "model_dir": est.model_dir, "servers": SERVERS,
+        "result": None if result is None else numbers(result[0]),
+        "cluster_spec": bool(config.cluster_spec),
+        # A plain RunConfig in the same process still sees the TF_CONFIG cluster.
+        "plain_cluster_spec": bool(tf.estimator.RunConfig().cluster_spec),
+    }
+    if evaluator:
+        record["eval_events"] = eval_events(model_dir)
+        record["exports"] = files_under(os.path.join(model_dir, "export"))
+    elif rank == 0:
+        np.savez(os.path.join(out, f"{who}.npz"), **checkpoint_values(model_dir))
+    else:
+        record["private_files"] = files_under(est.model_dir)
+    with open(os.path.join(out, f"{who}.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(f"[{who}] done", flush=True)
+
+
+def main() -> None:
+    out, model_dir, mode = sys.argv[1:4]
+    if mode == "reference":
+        reference(out, model_dir)
+    else:
+        task(out, model_dir, sys.argv[4], int(sys.argv[5]) if len(sys.argv) > 5 else STEPS)
+
+
+if __name__ == "__main__":
+    main()
