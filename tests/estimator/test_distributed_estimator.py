@@ -244,16 +244,3 @@ def test_progress_is_logged_by_rank_0_only(runs, version, np_):
         else:
             assert progress == [], (rank, progress)
             assert not [line for line in record["custom_logs"] if "loss = " in line]
-
-
-def test_run_config_with_a_tf_config_cluster_is_refused_with_the_reason(monkeypatch, tmp_path):
-    """TF_CONFIG clusters are not supported yet: a clear error before anything starts (this
-    pytest process never initialises MPI)."""
-    import perseus_legacy as pl
-
-    cluster = {"chief": ["a:2222"], "worker": ["b:2222"], "evaluator": ["c:2222"]}
-    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
-                                                "task": {"type": "worker", "index": 0}}))
-    with pytest.raises(NotImplementedError, match="TF_CONFIG names a cluster .*perseusrun"):
-        pl.run_config(model_dir=str(tmp_path))
-    assert not pl.is_initialized()
