@@ -23,16 +23,13 @@ import argparse
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import tensorflow as tf
 
-from training import BATCH, CLASSES, IMAGE, THREADS, cnn
+from training import BATCH, CLASSES, IMAGE, cnn, launch
 
 WARMUP = 5
 CONFIGS = (("plain", 1), ("run_config", 1), ("run_config", 2))
@@ -88,21 +85,6 @@ def worker(kind: str, steps: int) -> None:
                                       "steps": timer.done - WARMUP, "ranks": ranks}), flush=True)
 
 
-def launch(kind: str, ranks: int, steps: int) -> dict:
-    perseusrun = Path(sys.executable).parent / "perseusrun"
-    cmd = [str(perseusrun), "-np", str(ranks), "--timeout", "600", "--bind-to", "none",
-           *[a for k, v in THREADS.items() for a in ("-x", f"{k}={v}")],
-           sys.executable, __file__, "--worker", kind, "--steps", str(steps)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=660)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise SystemExit(f"{' '.join(cmd)} failed (exit {out.returncode}):\n"
-                         f"{out.stdout}\n{out.stderr}")
-    result = json.loads(lines[-1][len("RESULT "):])
-    return {"examples_per_s": BATCH * ranks * result["steps"] / result["seconds"],
-            "step_ms": 1e3 * result["seconds"] / result["steps"]}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=sorted(NAMES), help=argparse.SUPPRESS)
@@ -115,7 +97,7 @@ def main() -> None:
     runs: dict = {c: [] for c in CONFIGS}
     for _ in range(args.repeats):
         for config in CONFIGS:
-            runs[config].append(launch(*config, args.steps))
+            runs[config].append(launch(*config, args.steps, script=__file__, bind_to="none"))
     best = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
             for c in CONFIGS}
     baseline = best[("plain", 1)]["examples_per_s"]

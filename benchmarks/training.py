@@ -93,19 +93,21 @@ def worker(path: str, steps: int) -> None:
               flush=True)
 
 
-def launch(path: str, ranks: int, steps: int) -> dict:
+def launch(path: str, ranks: int, steps: int, script: str = __file__,
+           bind_to: str = "core") -> dict:
+    """Runs `script --worker path` on `ranks` ranks; examples/s and ms/step of its RESULT line."""
     perseusrun = Path(sys.executable).parent / "perseusrun"
-    cmd = [str(perseusrun), "-np", str(ranks), "--timeout", "600", "--bind-to", "core",
+    cmd = [str(perseusrun), "-np", str(ranks), "--timeout", "600", "--bind-to", bind_to,
            *[a for k, v in THREADS.items() for a in ("-x", f"{k}={v}")],
-           sys.executable, __file__, "--worker", path, "--steps", str(steps)]
+           sys.executable, script, "--worker", path, "--steps", str(steps)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=660)
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         raise SystemExit(f"{' '.join(cmd)} failed (exit {out.returncode}):\n"
                          f"{out.stdout}\n{out.stderr}")
     result = json.loads(lines[-1][len("RESULT "):])
-    return {"examples_per_s": BATCH * ranks * steps / result["seconds"],
-            "step_ms": 1e3 * result["seconds"] / steps}
+    return {"examples_per_s": BATCH * ranks * result["steps"] / result["seconds"],
+            "step_ms": 1e3 * result["seconds"] / result["steps"]}
 
 
 def main() -> None:

@@ -65,7 +65,8 @@ def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun"
 
 
 # Lines that say why a rank failed; TensorFlow's start-up noise about CUDA is not one of them.
-_FAILURE_LINE = re.compile(r"(Error|Exception|Segmentation fault|exited on signal|timed out)")
+_FAILURE_LINE = re.compile(r"(Error|Exception|FAILED|Segmentation fault|exited on signal|"
+                           r"timed out)")
 _NOISE = ("cuInit", "type_inference", "Type inference")
 
 

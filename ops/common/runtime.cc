@@ -534,6 +534,7 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
   std::vector<std::string> gathered;
   Status s = controller_->GatherToCoordinator(Serialize(mine), &gathered);
   std::string answer;
+  bool final_answer = false;  // rank 0: the answer ends the runtime (a shutdown, a fatal error)
   if (s.ok() && coordinator_) {
     const auto now = Clock::now();
     ResponseList plan;
@@ -555,8 +556,15 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
       if (!warning.empty()) Log(warning);
     }
     answer = Serialize(plan);
+    for (const Response& response : plan.responses) {
+      final_answer = final_answer || response.type == ResponseType::kShutdown ||
+                     response.type == ResponseType::kFatal;
+    }
   }
   if (s.ok()) s = controller_->BroadcastFromCoordinator(&answer);
+  // Ranks that received a final answer may exit at once, which the broadcast to the others can
+  // then see as a lost connection; the answer itself is still the reason to report.
+  if (!s.ok() && final_answer) s = Status::OK();
   ResponseList plan;
   if (s.ok() && !Deserialize(answer, &plan)) {
     s = Status::Error("malformed answer from the coordinator");
