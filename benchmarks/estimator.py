@@ -22,14 +22,13 @@ import perseus_legacy as pl
 import argparse
 import json
 import shutil
-import statistics
 import tempfile
 import time
 
 import numpy as np
 import tensorflow as tf
 
-from training import BATCH, CLASSES, IMAGE, cnn, launch
+from training import BATCH, CLASSES, IMAGE, cnn, median_runs
 
 WARMUP = 5
 CONFIGS = (("plain", 1), ("run_config", 1), ("run_config", 2))
@@ -94,12 +93,8 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps)
         return
-    runs: dict = {c: [] for c in CONFIGS}
-    for _ in range(args.repeats):
-        for config in CONFIGS:
-            runs[config].append(launch(*config, args.steps, script=__file__, bind_to="none"))
-    best = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
-            for c in CONFIGS}
+    best = median_runs(list(CONFIGS), args.steps, args.repeats, script=__file__,
+                       bind_to="none")
     baseline = best[("plain", 1)]["examples_per_s"]
     print(f"\nEstimator, small CNN, batch {BATCH} per rank, {args.steps} timed steps, median of "
           f"{args.repeats} runs, 1 intra-op thread per rank\n")

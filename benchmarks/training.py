@@ -110,6 +110,16 @@ def launch(path: str, ranks: int, steps: int, script: str = __file__,
             "step_ms": 1e3 * result["seconds"] / result["steps"]}
 
 
+def median_runs(configs: list, steps: int, repeats: int, **launch_options) -> dict:
+    """Launches every (path, ranks) config `repeats` times, taking turns; the median of each."""
+    runs: dict = {c: [] for c in configs}
+    for _ in range(repeats):
+        for config in configs:
+            runs[config].append(launch(*config, steps, **launch_options))
+    return {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
+            for c in configs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=sorted(PATHS), help=argparse.SUPPRESS)
@@ -120,12 +130,7 @@ def main() -> None:
         worker(args.worker, args.steps)
         return
     configs = [(path, ranks) for path in PATHS for ranks in (1, 2)]
-    runs: dict = {c: [] for c in configs}
-    for _ in range(args.repeats):
-        for config in configs:
-            runs[config].append(launch(*config, args.steps))
-    best = {c: {k: statistics.median(r[k] for r in runs[c]) for k in runs[c][0]}
-            for c in configs}
+    best = median_runs(configs, args.steps, args.repeats)
     print(f"\nSmall CNN, batch {BATCH} per rank, {args.steps} steps, median of "
           f"{args.repeats} runs, 1 intra-op thread per rank\n")
     print("| path | ranks | examples/s | ms/step | scaling efficiency |")
