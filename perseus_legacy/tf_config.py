@@ -14,10 +14,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from perseusrun import ADDRESSES_VARIABLE, RANK_VARIABLE  # noqa: F401 (part of this API)
+
 # Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
-RANK_VARIABLE = "PERSEUS_TCP_RANK"
-ADDRESSES_VARIABLE = "PERSEUS_TCP_ADDRESSES"
 DEFAULT_START_TIMEOUT = 120.0
 # Task types that become ranks, in rank order; `master` is TF1's name for the chief.
 CHIEF_TYPES = ("chief", "master")

@@ -53,7 +53,7 @@ def command(np: int, script: str, args: tuple = (), launcher: str = "perseusrun"
         raise ValueError("the TCP controller is launched with perseusrun --tcp")
     if launcher == "perseusrun":
         perseusrun = ([str(BIN / "perseusrun")] if python == sys.executable
-                      else [python, "-m", "perseus_legacy.runner.launch"])
+                      else [python, "-m", "perseusrun"])
         tcp = ["--tcp"] if controller == "tcp" else []
         return [*perseusrun, *tcp, "-np", str(np), "--timeout", str(int(timeout)), *program]
     if launcher == "mpirun":

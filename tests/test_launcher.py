@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from perseus_legacy.runner import launch
+from perseusrun import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "workers" / "launch_worker.py")

@@ -19,7 +19,7 @@ import pytest
 from harness import ROOT, WORKERS, launch_env
 
 from perseus_legacy import _core, tf_config
-from perseus_legacy.runner import launch
+from perseusrun import launch
 
 SECRET = "test-secret-0123456789"
 

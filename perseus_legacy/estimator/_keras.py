@@ -14,10 +14,11 @@ import importlib.util
 import os
 import sys
 
+# Marks a TF_USE_LEGACY_KERAS this process set itself (perseusrun must not pass it on to programs
+# that may run another TensorFlow).
+from perseusrun import LEGACY_KERAS_SET_HERE as _SET_HERE
+
 ENV = "TF_USE_LEGACY_KERAS"
-# Marks a TF_USE_LEGACY_KERAS this process set itself (launchers must not pass it on to
-# programs that may run another TensorFlow).
-_SET_HERE = "PERSEUS_SET_TF_USE_LEGACY_KERAS"
 _TRUE = ("true", "True", "1")  # the spellings TensorFlow accepts
 _TF_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "tensorflow-intel",
                      "tensorflow-macos", "tf-nightly", "tf-nightly-cpu")
@@ -90,14 +91,6 @@ def select_legacy_keras() -> str:
     else:
         decision = f"selected: {ENV}={requested} set by the user (tf-keras)"
     return decision
-
-
-def inherited_environment() -> dict:
-    """os.environ without what select_legacy_keras() set in it (for child processes)."""
-    env = dict(os.environ)
-    if env.pop(_SET_HERE, None):
-        env.pop(ENV, None)
-    return env
 
 
 def require_legacy_keras() -> None:

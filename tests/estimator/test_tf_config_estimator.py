@@ -26,7 +26,7 @@ import pytest
 from tf_matrix import available, env, python_for
 
 from perseus_legacy import tf_config
-from perseus_legacy.runner.launch import free_local_ports
+from perseusrun.launch import free_local_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "est_tf_config.py"

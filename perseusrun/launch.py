@@ -24,8 +24,7 @@ import sys
 import threading
 import time
 
-from perseus_legacy import tf_config
-from perseus_legacy.estimator import _keras
+from perseusrun import ADDRESSES_VARIABLE, LEGACY_KERAS_SET_HERE, RANK_VARIABLE
 
 # Forwarded to every rank (with `-x NAME`) whenever they are set.
 FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
@@ -341,9 +340,9 @@ def tcp_rank_envs(args: argparse.Namespace, env: dict) -> list[dict]:
         if has_value:
             base[name] = value
     base["PERSEUS_CONTROLLER"] = "tcp"
-    base[tf_config.ADDRESSES_VARIABLE] = ",".join(
+    base[ADDRESSES_VARIABLE] = ",".join(
         f"127.0.0.1:{port}" for port in free_local_ports(args.np))
-    return [{**base, tf_config.RANK_VARIABLE: str(rank)} for rank in range(args.np)]
+    return [{**base, RANK_VARIABLE: str(rank)} for rank in range(args.np)]
 
 
 def _forward_tagged(stream, rank: int, tag: str, out) -> None:
@@ -449,6 +448,7 @@ def check_build() -> int:
     for key in sorted(set(info) - {"mpi", "tcp", "nccl"}, key=str):
         line(str(key), str(info[key]))
     try:
+        tf_config = importlib.import_module("perseus_legacy.tf_config")
         line("init() uses", tf_config.controller_from_env() + " (in this environment)")
     except ValueError as exc:
         line("init() uses", f"ERROR: {exc}")
@@ -471,6 +471,15 @@ def check_build() -> int:
     return 0
 
 
+def inherited_environment() -> dict:
+    """os.environ without the TF_USE_LEGACY_KERAS that importing perseus_legacy set in this
+    process or its parent: each rank's own import decides, on its TensorFlow."""
+    env = dict(os.environ)
+    if env.pop(LEGACY_KERAS_SET_HERE, None):
+        env.pop("TF_USE_LEGACY_KERAS", None)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """perseusrun's entry point; returns the job's exit code (2 for a bad command line)."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -481,8 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.check_build:
             return check_build()
-        # Without what importing perseus_legacy set here: each rank's TensorFlow decides.
-        env = _keras.inherited_environment()
+        env = inherited_environment()
         if not env.get("PERSEUS_SECRET"):
             env["PERSEUS_SECRET"] = secrets.token_hex(16)  # the ranks' shared job secret
         # TensorFlow's caching CPU allocator keeps large buffers mapped between steps instead of
@@ -498,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tcp:
         if args.verbose:
             print(f"perseusrun: {args.np} local ranks over TCP at "
-                  f"{envs[0][tf_config.ADDRESSES_VARIABLE]}: {shlex.join(args.program)}",
+                  f"{envs[0][ADDRESSES_VARIABLE]}: {shlex.join(args.program)}",
                   file=sys.stderr, flush=True)
         return run_local_ranks(args.program, envs, timeout=args.timeout,
                                tag_output=args.tag_output)
