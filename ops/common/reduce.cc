@@ -105,9 +105,15 @@ void ScaleBuffer(DataType dtype, const void* src, void* dst, int64_t count, doub
     using Acc = typename Arith<T>::Acc;
     const T* in = static_cast<const T*>(src);
     T* out = static_cast<T*>(dst);
-    for (int64_t i = 0; i < count; ++i) {
-      double scaled = static_cast<double>(Arith<T>::Load(in[i])) * factor;
-      out[i] = Arith<T>::Store(static_cast<Acc>(scaled));
+    if constexpr (std::is_floating_point_v<Acc>) {
+      // In the arithmetic type, so that the loop vectorizes (a pass over every gradient).
+      const Acc f = static_cast<Acc>(factor);
+      for (int64_t i = 0; i < count; ++i) out[i] = Arith<T>::Store(Arith<T>::Load(in[i]) * f);
+    } else {
+      for (int64_t i = 0; i < count; ++i) {
+        double scaled = static_cast<double>(Arith<T>::Load(in[i])) * factor;
+        out[i] = Arith<T>::Store(static_cast<Acc>(scaled));
+      }
     }
   });
 }

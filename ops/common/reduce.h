@@ -79,8 +79,9 @@ inline void ReduceInto(DataType dtype, ReduceOp op, const void* in, void* inout,
   Reduce(dtype, op, in, inout, inout, count);
 }
 
-// dst[i] = src[i] * factor (src may equal dst). Integers multiply in double and truncate toward
-// zero, so large int64 values lose precision when factor != 1.
+// dst[i] = src[i] * factor (src may equal dst). Floating point multiplies in its arithmetic type
+// (float for the 16-bit types); integers multiply in double and truncate toward zero, so large
+// int64 values lose precision when factor != 1.
 void ScaleBuffer(DataType dtype, const void* src, void* dst, int64_t count, double factor);
 
 // data[i] /= divisor with C++ integer division (truncates toward zero): how Average finishes for

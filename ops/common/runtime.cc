@@ -36,6 +36,10 @@ constexpr auto kHeartbeat = std::chrono::seconds(1);
 // How long a request waits on the response cache for the other ranks before it goes through the
 // coordinator instead, whose stall checks then see it.
 constexpr auto kCacheWaitLimit = std::chrono::seconds(1);
+// An allreduce tensor at least this large runs as a collective of its own, where it lies, even
+// when negotiated together with others: staging it through the fusion buffer would copy it in
+// and out, which costs more than one more collective's start-up.
+constexpr int64_t kOwnCollectiveBytes = int64_t{256} << 10;
 
 // Flags of the first word of a round's bit vector: AND-ed over ranks, so each is set only when
 // it holds on every rank.
@@ -166,6 +170,11 @@ class Runtime {
   // framework for an output set `op` to the status the request completes with. No entries
   // (a null entry): this rank has joined and takes part without data.
   Status RunAllreduce(const Response& response, const std::vector<CollectiveRequest*>& entries);
+  // The tensors `group` of `entries`, `total` elements, reduced together in the fusion buffer.
+  Status RunFusedAllreduce(const Response& response,
+                           const std::vector<CollectiveRequest*>& entries,
+                           const std::vector<size_t>& group, int64_t total, double prescale,
+                           int64_t divisor, double postscale);
   Status RunAllgather(const Response& response, CollectiveRequest* entry, Status* op);
   Status RunBroadcast(const Response& response, CollectiveRequest* entry);
   Status RunAlltoall(const Response& response, CollectiveRequest& entry, Status* op);
@@ -660,18 +669,6 @@ Status Runtime::RunAllreduce(const Response& response,
                              const std::vector<CollectiveRequest*>& entries) {
   const DataType dtype = response.dtype;
   const size_t item = DataTypeSize(dtype);
-  if (entries.empty()) {
-    // Joined: the identity of the op, so that the others reduce over the ranks with data.
-    int64_t total = 0;
-    for (int64_t count : response.sizes) total += count;
-    void* buffer = fusion_.Get(total * item);
-    if (buffer == nullptr) {
-      return Status::Error("out of memory for a " + std::to_string(total * item) +
-                           "-byte buffer of a joined rank");
-    }
-    FillIdentity(dtype, response.reduce_op, buffer, total);
-    return controller_->Allreduce(buffer, buffer, total, dtype, response.reduce_op);
-  }
   // Average is a Sum followed by a division by the ranks that contributed data: folded into the
   // postscale for floating point; integers divide exactly afterwards (truncating toward zero).
   const int64_t contributors = size_ - static_cast<int64_t>(response.joined_ranks.size());
@@ -680,35 +677,73 @@ Status Runtime::RunAllreduce(const Response& response,
   double postscale = response.postscale_factor;
   if (response.reduce_op == ReduceOp::kAverage && !integer_average) postscale /= contributors;
   const double prescale = response.prescale_factor;
-  auto finish = [&](void* data, int64_t count) {
-    if (integer_average) DivideIntegers(dtype, data, count, contributors);
-    if (postscale != 1.0) ScaleBuffer(dtype, data, data, count, postscale);
+
+  // The tensors' element counts: from the requests, or (a joined rank has none) the response.
+  const size_t n = entries.empty() ? response.sizes.size() : entries.size();
+  auto count_of = [&](size_t i) {
+    return entries.empty() ? response.sizes[i] : NumElements(entries[i]->shape);
   };
-
-  if (entries.size() == 1) {
-    // MPI reads the op's input and writes its output directly: no staging copy.
-    CollectiveRequest& e = *entries.front();
-    const int64_t count = NumElements(e.shape);
-    if (count == 0) return Status::OK();
-    const void* src = e.input;
-    if (prescale != 1.0) {
-      ScaleBuffer(dtype, e.input, e.output, count, prescale);
-      src = e.output;
+  // One collective for each large tensor, where it lies, and one for the small ones together
+  // (through the fusion buffer). Every rank, a joined one too, splits the same way.
+  std::vector<std::vector<size_t>> groups;
+  std::vector<size_t> small;
+  for (size_t i = 0; i < n; ++i) {
+    if (count_of(i) * static_cast<int64_t>(item) >= kOwnCollectiveBytes) {
+      groups.push_back({i});
+    } else {
+      small.push_back(i);
     }
-    Status s = controller_->Allreduce(src, e.output, count, dtype, response.reduce_op);
-    if (s.ok()) finish(e.output, count);
-    return s;
   }
+  if (!small.empty()) groups.push_back(std::move(small));
 
-  int64_t total = 0;
-  for (const CollectiveRequest* e : entries) total += NumElements(e->shape);
+  for (const std::vector<size_t>& group : groups) {
+    int64_t total = 0;
+    for (size_t i : group) total += count_of(i);
+    if (total == 0) continue;
+    Status s;
+    if (entries.empty()) {
+      // Joined: the identity of the op, so that the others reduce over the ranks with data.
+      void* buffer = fusion_.Get(total * item);
+      if (buffer == nullptr) {
+        return Status::Error("out of memory for a " + std::to_string(total * item) +
+                             "-byte buffer of a joined rank");
+      }
+      FillIdentity(dtype, response.reduce_op, buffer, total);
+      s = controller_->Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+    } else if (group.size() == 1) {
+      // MPI reads the op's input and writes its output directly: no staging copy.
+      CollectiveRequest& e = *entries[group.front()];
+      const void* src = e.input;
+      if (prescale != 1.0) {
+        ScaleBuffer(dtype, e.input, e.output, total, prescale);
+        src = e.output;
+      }
+      s = controller_->Allreduce(src, e.output, total, dtype, response.reduce_op);
+      if (s.ok() && integer_average) DivideIntegers(dtype, e.output, total, contributors);
+      if (s.ok() && postscale != 1.0) ScaleBuffer(dtype, e.output, e.output, total, postscale);
+    } else {
+      s = RunFusedAllreduce(response, entries, group, total, prescale,
+                            integer_average ? contributors : 1, postscale);
+    }
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
+}
+
+Status Runtime::RunFusedAllreduce(const Response& response,
+                                  const std::vector<CollectiveRequest*>& entries,
+                                  const std::vector<size_t>& group, int64_t total,
+                                  double prescale, int64_t divisor, double postscale) {
+  const DataType dtype = response.dtype;
+  const size_t item = DataTypeSize(dtype);
   char* buffer = static_cast<char*>(fusion_.Get(total * item));
   if (buffer == nullptr) {
     return Status::Error("out of memory for a " + std::to_string(total * item) +
                          "-byte fusion buffer");
   }
   int64_t offset = 0;
-  for (const CollectiveRequest* e : entries) {
+  for (size_t i : group) {
+    const CollectiveRequest* e = entries[i];
     const int64_t count = NumElements(e->shape);
     if (prescale != 1.0) {
       ScaleBuffer(dtype, e->input, buffer + offset * item, count, prescale);
@@ -719,11 +754,16 @@ Status Runtime::RunAllreduce(const Response& response,
   }
   Status s = controller_->Allreduce(buffer, buffer, total, dtype, response.reduce_op);
   if (!s.ok()) return s;
-  finish(buffer, total);
+  if (divisor != 1) DivideIntegers(dtype, buffer, total, divisor);
   offset = 0;
-  for (CollectiveRequest* e : entries) {
+  for (size_t i : group) {
+    CollectiveRequest* e = entries[i];
     const int64_t count = NumElements(e->shape);
-    CopyBytes(e->output, buffer + offset * item, count * item);
+    if (postscale != 1.0) {  // scaled on the way out: one pass instead of two
+      ScaleBuffer(dtype, buffer + offset * item, e->output, count, postscale);
+    } else {
+      CopyBytes(e->output, buffer + offset * item, count * item);
+    }
     offset += count;
   }
   return Status::OK();

@@ -232,6 +232,22 @@ def check_fusion(rank: int, size: int) -> None:
         assert_close(rank, name, out, expected_reduce(data[name], SUM, dtypes[i]), rtol=0)
 
 
+def check_fusion_with_large_tensors(rank: int, size: int) -> None:
+    """Large tensors negotiated with small ones (each large one reduced where it lies)."""
+    cases = [("float32", AVERAGE, 2.0, 0.5), ("int32", AVERAGE, 1.0, 1.0),
+             ("float64", SUM, 1.0, 3.0)]
+    for dtype, op, pre, post in cases:
+        shapes = [(5,), (70_000,), (3, 2), (300, 300), (1,)]  # 2 of them >= 256 KiB
+        names = [f"mixed.{np.dtype(dtype).name}.{i}" for i in range(len(shapes))]
+        data = [[rank_data(r, s, dtype, seed=30 + i) for r in range(size)]
+                for i, s in enumerate(shapes)]
+        got = _core.grouped_allreduce([d[rank] for d in data], names, op=op,
+                                      prescale_factor=pre, postscale_factor=post)
+        for name, out, d in zip(names, got, data):
+            assert_close(rank, name, out, expected_reduce(d, op, dtype, pre, post),
+                         **tolerance(dtype))
+
+
 def check_argument_errors(rank: int) -> None:
     try:
         _core.allreduce(np.ones(3, bool), "bool.ar")
@@ -270,6 +286,7 @@ def main() -> None:
     check_zero_size(rank, size)
     check_shuffled_submission(rank, size)
     check_fusion(rank, size)
+    check_fusion_with_large_tensors(rank, size)
     _core.shutdown()
     _core.shutdown()  # safe twice
     if _core.is_initialized() or _core.rank() != -1:

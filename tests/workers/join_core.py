@@ -87,6 +87,17 @@ def with_a_joined_rank(rank: int, size: int) -> None:
     for i, (got, factor, rows) in enumerate(zip(fused, (1, 2, 1), (3, 3, 1))):
         assert_close(rank, f"fused Sum {i}", got,
                      (factor * stacked.sum(0)[:rows]).astype(np.float32), rtol=1e-6)
+    # Large tensors among small ones run as collectives of their own: the joined rank's
+    # contribution must be split the same way.
+    big = {r: rank_data(r, (300_000,), np.float32, seed=104) for r in running}
+    mixed = _core.grouped_allreduce([data[rank], big[rank], 3 * data[rank], 2 * big[rank]],
+                                    ["joined.m0", "joined.m1", "joined.m2", "joined.m3"],
+                                    op=pl.Average)
+    big_mean = np.mean([big[r].astype(np.float64) for r in running], axis=0)
+    for i, (got, expected) in enumerate(zip(mixed, (stacked.mean(0), big_mean,
+                                                    3 * stacked.mean(0), 2 * big_mean))):
+        assert_close(rank, f"fused Average of large and small tensors {i}", got,
+                     expected.astype(np.float32), rtol=1e-6)
 
     rows = rank_data(rank, (rank + 1, 2), np.float64, seed=102)
     got = _core.allgather(rows, "joined.gather")
