@@ -1,5 +1,6 @@
 """The TF1 examples run on 2 real ranks (--smoke; train_and_evaluate.py starts its own TF_CONFIG
-tasks) and report a test accuracy well above chance (0.1 for ten digits)."""
+tasks) and report a test accuracy well above chance (0.1 for ten digits); allreduce_smoke.py
+(50 steps, already tiny) checks its weights against numpy itself."""
 
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ def accuracy_of(out: str) -> float:
     found = ACCURACY.findall(out)
     assert len(found) == 1, f"expected one accuracy line (rank 0 only):\n{out}"
     return float(found[0])
+
+
+def test_allreduce_smoke_example_equals_numpy_on_the_global_batch():
+    out = run_ranks(2, "examples/allreduce_smoke.py", timeout=180).stdout
+    assert "weights identical on all ranks: True" in out, out
+    assert "weights equal one process on the global batch (numpy): True" in out, out
 
 
 def test_session_run_example_trains_above_chance():
