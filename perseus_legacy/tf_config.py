@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from perseusrun import ADDRESSES_VARIABLE, RANK_VARIABLE  # noqa: F401 (part of this API)
+from perseusrun import ADDRESSES_VARIABLE, RANK_VARIABLE
 
 # Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
