@@ -73,7 +73,8 @@ def worker(kind: str, steps: int) -> None:
               "save_summary_steps": 0, "log_step_count_steps": None,
               "session_config": tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                                          inter_op_parallelism_threads=2)}
-    hooks = [Timer()]
+    timer = Timer()
+    hooks = [timer]
     if kind == "run_config":
         config = pl.run_config(**kwargs)
         rank = pl.rank()
@@ -86,7 +87,6 @@ def worker(kind: str, steps: int) -> None:
     rng = np.random.default_rng(rank)
     images = rng.uniform(size=(BATCH, IMAGE, IMAGE, 1)).astype(np.float32)
     labels = rng.integers(0, CLASSES, size=BATCH).astype(np.int64)
-    timer = hooks[0]
     tf.estimator.Estimator(model_fn, config=config).train(
         lambda: tf.data.Dataset.from_tensors((images, labels)).repeat(),
         max_steps=WARMUP + steps, hooks=hooks)
