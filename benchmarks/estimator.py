@@ -28,7 +28,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from training import BATCH, CLASSES, IMAGE, cnn, median_runs
+from training import BATCH, CLASSES, IMAGE, barrier, cnn, median_runs, share
 
 WARMUP = 5
 CONFIGS = (("plain", 1), ("run_config", 1), ("run_config", 2), ("lockstep", 2))
@@ -61,7 +61,7 @@ class Lockstep(tf.compat.v1.train.SessionRunHook):
     """Makes the ranks wait for each other after every step, exchanging nothing else."""
 
     def after_run(self, run_context, run_values) -> None:
-        pl.basics.core().allreduce(np.zeros(1, np.float32), name="lockstep")
+        barrier("lockstep")
 
 
 def worker(kind: str, steps: int) -> None:
@@ -119,8 +119,7 @@ def main() -> None:
         print(f"| {NAMES[kind]} | {ranks} | {r['examples_per_s']:.0f} | {r['step_ms']:.1f} | "
               f"{100 * efficiency:.1f}% |")
     ours, lockstep = best[("run_config", 2)], best[("lockstep", 2)]
-    print(f"\nAt 2 ranks, pl.run_config() runs at "
-          f"{100 * ours['examples_per_s'] / lockstep['examples_per_s']:.1f}% of two ranks that "
+    print(f"\nAt 2 ranks, pl.run_config() runs at {share(ours, lockstep)} of two ranks that "
           "only wait for each other after every step (what synchronous training can reach on "
           "this host).")
 

@@ -60,6 +60,16 @@ def cnn(images: tf.Tensor) -> tf.Tensor:
     return tf.matmul(x, weight("d2", [256, CLASSES])) + bias("b4", CLASSES)
 
 
+def barrier(name: str) -> None:
+    """Returns once every rank has called it with this name (a one-float allreduce)."""
+    pl.basics.core().allreduce(np.zeros(1, np.float32), name=name)
+
+
+def share(a: dict, b: dict) -> str:
+    """a's examples/s as a percentage of b's."""
+    return f"{100 * a['examples_per_s'] / b['examples_per_s']:.1f}%"
+
+
 def worker(path: str, steps: int) -> None:
     """One rank: trains `steps` timed steps after a warm-up; rank 0 prints a RESULT line."""
     pl.init()
@@ -86,14 +96,13 @@ def worker(path: str, steps: int) -> None:
                 save_summaries_steps=None, log_step_count_steps=None) as sess:
             for _ in range(5):
                 sess.run(train)
-            barrier = pl.basics.core().allreduce
-            barrier(np.zeros(1, np.float32), name="bench_start")
+            barrier("bench_start")
             start = time.perf_counter()
             for _ in range(steps):
                 sess.run(train)
                 if path == "lockstep":
-                    barrier(np.zeros(1, np.float32), name="lockstep")
-            barrier(np.zeros(1, np.float32), name="bench_end")
+                    barrier("lockstep")
+            barrier("bench_end")
             seconds = time.perf_counter() - start
     if pl.rank() == 0:
         print("RESULT " + json.dumps({"seconds": seconds, "steps": steps, "ranks": pl.size()}),
@@ -149,15 +158,12 @@ def main() -> None:
               f"{100 * efficiency:.1f}% |")
     hooks, optimizer = best[("hooks", 2)], best[("optimizer", 2)]
     lockstep, alone = best[("lockstep", 2)], best[("alone", 2)]
-
-    def share(a: dict, b: dict) -> str:
-        return f"{100 * a['examples_per_s'] / b['examples_per_s']:.1f}%"
-
     print(f"\nAt 2 ranks, hooks only runs at {share(hooks, optimizer)} of DistributedOptimizer's "
           f"examples/s. Against two ranks that only wait for each other after every step (what "
           f"synchronous training can reach on this host: {share(lockstep, alone)} of two ranks "
           f"that train alone), hooks only reaches {share(hooks, lockstep)} and "
           f"DistributedOptimizer {share(optimizer, lockstep)}.")
+
 
 if __name__ == "__main__":
     main()
