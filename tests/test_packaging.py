@@ -61,8 +61,8 @@ def test_installed_package_builds_its_native_parts_and_entry_point(installed):
     target, elsewhere, env = installed
     out = run([target / "bin" / "perseusrun", "--check-build"], elsewhere, env, timeout=300)
     assert f"loaded ({target}" in out, out  # the native core of the installed copy
-    assert "TensorFlow ops  loaded" in out, out
-    assert "MPI controller  built" in out, out
+    assert "TensorFlow ops: loaded into TensorFlow" in out, out
+    assert "  mpi: built" in out, out
 
 
 def test_installed_package_runs_a_2_rank_allreduce_from_outside_the_repo(installed):
@@ -83,3 +83,18 @@ def test_installed_package_prints_diagnostics_with_its_version(installed):
     assert f"perseus_legacy: {version} ({target / 'perseus_legacy'})" in out, out
     assert "TensorFlow ops: loaded into TensorFlow" in out, out
     assert "Keras integration: perseus_legacy.keras ready" in out, out
+
+
+def test_check_build_fails_naming_the_native_part_that_is_missing(installed, tmp_path):
+    target, elsewhere, env = installed
+    broken = tmp_path / "site"
+    shutil.copytree(target, broken, symlinks=True)
+    for library in (broken / "perseus_legacy").glob("_tf_ops*.so"):
+        library.unlink()
+    proc = subprocess.run([str(broken / "bin" / "perseusrun"), "--check-build"], cwd=elsewhere,
+                          env=dict(env, PYTHONPATH=str(broken)), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout
+    assert f"native core: loaded ({broken}" in proc.stdout, proc.stdout
+    assert "TensorFlow ops: MISSING: ImportError" in proc.stdout, proc.stdout
+    assert "BROKEN: TensorFlow ops did not load" in proc.stdout, proc.stdout

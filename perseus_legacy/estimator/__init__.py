@@ -1,46 +1,78 @@
-"""tf.estimator on any TensorFlow: the real tensorflow-estimator 2.15 package.
+"""The distributed Estimator: `run_config()`, and the tf.estimator API on every TensorFlow.
 
-`from perseus_legacy import estimator as tf_estimator` gives the tf.estimator API (Estimator,
-EstimatorSpec, ModeKeys, RunConfig, TrainSpec, EvalSpec, train_and_evaluate, exporters, canned
-estimators, export, ...) on every TensorFlow version. On TensorFlow >= 2.16, importing this
-package also supplies the TensorFlow internals tensorflow-estimator needs and makes it reachable
-as tf.estimator again (see compat_report()).
+`run_config()` returns a RunConfig that trains one unchanged Estimator on every rank
+(`_run_config.py` makes it, `_training.py` holds the Estimator internals it acts through).
+`from perseus_legacy import estimator as tf_estimator` also gives the tf.estimator API
+(Estimator, EstimatorSpec, ModeKeys, RunConfig, TrainSpec, EvalSpec, train_and_evaluate,
+exporters, canned estimators, export, ...): the real tensorflow-estimator 2.15 package, which
+perseus_legacy.tf_compat makes importable on TensorFlow >= 2.16.
 """
 
-# Order matters: legacy Keras must be selected before anything imports tensorflow.
-from perseus_legacy.estimator import _keras  # noqa: I001
+from __future__ import annotations
 
-_keras.select_legacy_keras()
+import importlib
+from typing import Any
 
-import importlib  # noqa: E402
-from typing import Any  # noqa: E402
+from perseus_legacy import tf_compat as _tf_compat
+from perseus_legacy.tf_compat import (  # noqa: F401
+    Keras3AlreadyBoundError,
+    TPUUnavailableError,
+    compat_report,
+)
+from perseus_legacy.tf_compat import estimator_api as _estimator_api
+from perseus_legacy.tf_compat import keras as _keras
 
-from perseus_legacy.estimator import _compat  # noqa: E402
-from perseus_legacy.estimator._compat import TPUUnavailableError, compat_report  # noqa: E402, F401
-from perseus_legacy.estimator._keras import Keras3AlreadyBoundError  # noqa: E402, F401
 
-if _keras.tensorflow_version() is not None:  # the native collectives work without TensorFlow
-    _compat.apply()
+def run_config(evaluator_timeout_secs: float | None = None, **kwargs: Any) -> Any:
+    """A tf.estimator.RunConfig (same keyword arguments) that trains an Estimator on every rank.
+
+    An Estimator given it averages gradients, starts every rank from rank 0's variables and
+    step, and evaluates on rank 0 in train_and_evaluate, without any hooks. Rank 0 writes
+    checkpoints and summaries into `model_dir`, evaluates and logs. Every other rank gets a
+    private temporary model_dir, removed at exit, and writes nothing: no checkpoints, no
+    summaries, and TensorFlow's INFO logs are dropped there unless PERSEUS_LOG_ALL_RANKS=1.
+    `session_config` gets session_config() (this rank's GPU); `tf_random_seed` is kept as given.
+    perseus_legacy.init() runs first if it has not. The TF_CONFIG evaluator task joins no group;
+    it fails when no new checkpoint appears in `model_dir` for `evaluator_timeout_secs`
+    (default: PERSEUS_EVALUATOR_TIMEOUT_SECS, else 1800; 0: no limit).
+    """
+    _require_estimator()
+    from perseus_legacy.estimator import _run_config, _training
+
+    _training.install()
+    return _run_config.distributed_run_config(evaluator_timeout_secs, **kwargs)
 
 
 def estimator_hooks() -> list:
-    """Training hooks equal to what perseus_legacy.run_config() applies (never applied twice)."""
-    from perseus_legacy.estimator import _distributed
+    """The training hooks that `run_config()` already applies: `[SyncReplicasHook()]`.
 
-    return _distributed.estimator_hooks()
+    Passing them to `train()` too applies nothing twice. With any other RunConfig they make
+    the training synchronous (gradient averaging, rank 0's variables broadcast at the start),
+    but ranks do not agree on the start step, and every rank writes into its model_dir.
+    """
+    from perseus_legacy.hooks import SyncReplicasHook
+
+    return [SyncReplicasHook()]
 
 
-def _api() -> Any:
-    return importlib.import_module(_compat.API_V2)
+def _require_estimator() -> None:
+    """Raises the reason why tf.estimator cannot be imported here, if there is one."""
+    _keras.require_legacy_keras()
+    version = _keras.tensorflow_version()
+    if _tf_compat.patches_disabled() and version is not None and version >= (2, 16):
+        raise ImportError(
+            f"tf.estimator on TensorFlow {version[0]}.{version[1]} needs perseus_legacy's "
+            f"TensorFlow patches, and {_tf_compat.NO_TF_PATCH_ENV}=1 turned them off: unset it "
+            "to use the Estimator API (the collectives, hooks and Keras work either way)")
 
 
 def __getattr__(name: str) -> Any:
     """The tf.estimator (v2) API, imported on first use: `import perseus_legacy` stays light."""
     if name.startswith("__"):
         raise AttributeError(name)
-    _keras.require_legacy_keras()
+    _require_estimator()
     try:
-        value = getattr(_api(), name)
+        value = getattr(importlib.import_module(_estimator_api.API_V2), name)
     except AttributeError:
         raise AttributeError(
             f"module 'perseus_legacy.estimator' has no attribute {name!r} "
@@ -50,5 +82,8 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    own = {"compat_report", "TPUUnavailableError", "Keras3AlreadyBoundError", "estimator_hooks"}
-    return sorted(own | {n for n in dir(_api()) if not n.startswith("_")})
+    own = {"compat_report", "TPUUnavailableError", "Keras3AlreadyBoundError", "estimator_hooks",
+           "run_config"}
+    _require_estimator()
+    api = importlib.import_module(_estimator_api.API_V2)
+    return sorted(own | {n for n in dir(api) if not n.startswith("_")})

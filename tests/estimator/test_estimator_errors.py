@@ -98,41 +98,42 @@ assert tf.keras.__version__.startswith("3."), tf.keras.__version__
 
 
 @pytest.mark.parametrize("version", PATCHED)
-def test_no_tf_patch_leaves_the_tf_namespace_alone_and_the_package_works(version):
+def test_no_tf_patch_turns_every_patch_off_and_the_estimator_api_says_why(version):
     out = _ok(version, """
+import os
 import perseus_legacy
 import tensorflow as tf
-from perseus_legacy import estimator as tf_estimator
+from tensorflow.python.framework import auto_control_deps
+from tensorflow.python.util import tf_export
 
+assert "TF_USE_LEGACY_KERAS" not in os.environ, "legacy Keras was selected"
 assert "estimator" not in vars(tf), "tf.estimator was set"
 assert not hasattr(tf.compat.v1, "estimator"), "tf.compat.v1.estimator was set"
+assert not hasattr(tf_export, "ESTIMATOR_API_NAME"), "tf_export was changed"
+assert "PerseusAllreduce" not in auto_control_deps.ASYNC_STATEFUL_OPS
+for name in ("tensorflow.python.estimator", "tensorflow.python.distribute.estimator_training",
+             "tensorflow.python.tpu.tpu_embedding"):
+    try:
+        __import__(name)
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise SystemExit(name + " was importable")
 try:
-    import tensorflow.python.estimator  # noqa: F401
-except ModuleNotFoundError:
-    pass
-else:
-    raise SystemExit("tensorflow.python.estimator was importable")
-
-def model_fn(features, labels, mode):
-    w = tf.compat.v1.get_variable("w", [1], initializer=tf.compat.v1.zeros_initializer())
-    loss = tf.reduce_mean(tf.square(features["x"] * w - labels))
-    train_op = tf.compat.v1.train.GradientDescentOptimizer(0.1).minimize(
-        loss, global_step=tf.compat.v1.train.get_global_step())
-    return tf_estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
-
-def input_fn():
-    return tf.data.Dataset.from_tensors(({"x": [1.0, 2.0]}, [2.0, 4.0])).repeat()
-
-est = tf_estimator.Estimator(model_fn)
-est.train(input_fn, steps=30)
-print("W:", est.get_variable_value("w")[0])
-for piece, status in tf_estimator.compat_report().items():
+    perseus_legacy.estimator.Estimator
+except ImportError as exc:
+    print("ERROR:", exc)
+for piece, status in perseus_legacy.tf_compat.compat_report().items():
     print("REPORT:", piece, "=", status)
 """, PERSEUS_NO_TF_PATCH="1")
-    assert abs(float(out.split("W:")[1].split()[0]) - 2.0) < 1e-3, out
-    namespace = "tf.estimator, tf.compat.v1.estimator, tf.compat.v2.estimator"
-    assert f"REPORT: {namespace} = left alone (PERSEUS_NO_TF_PATCH=1)" in out, out
-    assert "REPORT: tensorflow.python.distribute.estimator_training = supplied" in out, out
+    assert "ERROR: tf.estimator on TensorFlow 2." in out, out
+    assert "PERSEUS_NO_TF_PATCH=1 turned them off" in out, out
+    report = dict(line[len("REPORT: "):].split(" = ", 1) for line in out.splitlines()
+                  if line.startswith("REPORT: "))
+    patches = {k: v for k, v in report.items()
+               if k not in ("tensorflow", "tensorflow-estimator", "tf-keras")}
+    assert len(patches) == 9, report
+    assert set(patches.values()) == {"left alone (PERSEUS_NO_TF_PATCH=1)"}, report
 
 
 def test_distribute_coordinator_config_is_refused_with_what_to_use_instead():
@@ -156,7 +157,7 @@ except ValueError as exc:
                                              ("tf215", "present in TensorFlow")])
 def test_diagnostics_report_which_compat_pieces_were_applied(version, status):
     out = _ok(version, "import runpy\nrunpy.run_module('perseus_legacy', run_name='__main__')\n")
-    assert "estimator compat:" in out, out
+    assert "TensorFlow patches:" in out, out
     for piece in ("tensorflow.python.distribute.estimator_training",
                   "tf_export.ESTIMATOR_API_NAME", "tensorflow.python.tpu.tpu_embedding",
                   "tensorflow.python.estimator"):
@@ -173,3 +174,23 @@ assert type(tf.__dict__["estimator"]).__name__ == "LazyLoader"  # TensorFlow's o
 import tensorflow.python.estimator.estimator as shim
 assert shim.__file__.startswith(os.path.dirname(tf.__file__)), shim.__file__
 """)
+
+
+@pytest.mark.parametrize("version", ["main", "tf216", "tf215"])
+def test_tf_export_lists_the_estimator_names_of_estimator_symbols_as_tf_2_15_does(version):
+    out = _ok(version, """
+import perseus_legacy
+from tensorflow.python.util import tf_export
+from tensorflow_estimator.python.estimator import estimator, mode_keys
+from tensorflow_estimator.python.estimator.canned import dnn
+
+for symbol in (estimator.Estimator, estimator.EstimatorV2, dnn.DNNClassifierV2,
+               mode_keys.ModeKeys):
+    print("NAMES:", symbol.__name__, tf_export.get_v1_names(symbol),
+          tf_export.get_v2_names(symbol))
+""")
+    for line in ("Estimator ['estimator.Estimator'] []",
+                 "EstimatorV2 [] ['estimator.Estimator']",
+                 "DNNClassifierV2 [] ['estimator.DNNClassifier']",
+                 "EstimatorModeKeys ['estimator.ModeKeys'] ['estimator.ModeKeys']"):
+        assert f"NAMES: {line}" in out, out

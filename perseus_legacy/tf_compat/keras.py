@@ -1,6 +1,9 @@
-"""Selects legacy Keras (tf-keras) for Estimator code, before TensorFlow binds tf.keras.
+"""Patch: legacy Keras (tf-keras) for Estimator code, chosen before TensorFlow binds tf.keras.
 
-TensorFlow >= 2.16 reads TF_USE_LEGACY_KERAS once, while `import tensorflow` runs, and binds
+Made necessary by TensorFlow 2.16, which binds tf.keras to Keras 3. It is decided by the
+TensorFlow *version* (read from package metadata, before TensorFlow is imported), not detected
+from a feature: the feature can only be seen after the import, when it is too late. TensorFlow
+>= 2.16 reads TF_USE_LEGACY_KERAS once, while `import tensorflow` runs, and binds
 tf.keras to Keras 3 unless it is set. tensorflow-estimator's heads, canned estimators and
 optimizers are written against Keras 2, so the variable has to be set before TensorFlow is first
 imported. Nothing here imports TensorFlow.
@@ -16,7 +19,7 @@ import sys
 
 # Marks a TF_USE_LEGACY_KERAS this process set itself (perseusrun must not pass it on to programs
 # that may run another TensorFlow).
-from perseusrun import LEGACY_KERAS_SET_HERE as _SET_HERE
+from perseus_env import LEGACY_KERAS_SET_HERE as _SET_HERE
 
 ENV = "TF_USE_LEGACY_KERAS"
 _TRUE = ("true", "True", "1")  # the spellings TensorFlow accepts
@@ -59,8 +62,10 @@ def _tf_bound_keras3(tf) -> bool:
     return getattr(loader, "_tfll_keras_version", None) == "keras_3"
 
 
-def select_legacy_keras() -> str:
+def select_legacy_keras(left_alone: str | None = None) -> str:
     """Sets TF_USE_LEGACY_KERAS=1 on TF >= 2.16 when tf-keras is installed; says what it did.
+
+    `left_alone` (the reason, when patches are off) decides nothing and records the reason.
 
     If TensorFlow was already imported with Keras 3, nothing can be selected any more; the
     Estimator API then raises Keras3AlreadyBoundError on first use (require_legacy_keras), while
@@ -69,7 +74,9 @@ def select_legacy_keras() -> str:
     global decision, _bound_error
     version = tensorflow_version()
     requested = os.environ.get(ENV)
-    if version is None or version < (2, 16):
+    if left_alone is not None:
+        decision = left_alone
+    elif version is None or version < (2, 16):
         decision = "not needed: this TensorFlow's tf.keras is Keras 2"
     elif requested is not None and requested not in _TRUE:
         decision = f"left as {ENV}={requested} (Keras 3): canned estimators and heads need tf-keras"

@@ -1,8 +1,8 @@
 """Synchronous data-parallel tf.estimator training on every rank, from the RunConfig alone.
 
-`run_config()` returns a `DistributedRunConfig`. An Estimator given one trains like a single
-process on the global batch: this module wraps five Estimator internals once (the wrappers change
-nothing for any other RunConfig), because a RunConfig has no say in the hooks of a training run:
+An Estimator given a `DistributedRunConfig` trains like a single process on the global batch:
+this module wraps five Estimator internals once (the wrappers change nothing for any other
+RunConfig), because a RunConfig has no say in the hooks of a training run:
 
 - `Estimator.train`: before anything else, the ranks check that they were all given the same
   steps and max_steps, then every rank takes the global step of rank 0's latest checkpoint, so
@@ -19,182 +19,34 @@ nothing for any other RunConfig), because a RunConfig has no say in the hooks of
   only train.
 - `_TrainingExecutor._Evaluator.evaluate_and_export` (the TF_CONFIG evaluator's loop): fails when
   no new checkpoint appears for `evaluator_timeout_secs`.
-
-Which rank this process is, and whether it trains or evaluates, is decided in `cluster_role()`.
-Under TF_CONFIG the ranks' RunConfig is a local one (tf.estimator then starts no TF server and
-no parameter-server training): TF_CONFIG only forms the process group (perseus_legacy.init()).
-The evaluator's RunConfig is tf.estimator's own evaluator config, so its evaluation loop runs.
 """
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import functools
 import importlib
-import json
-import logging
-import os
 import pickle
-import shutil
-import tempfile
 import time
 from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
-from perseus_legacy import basics, config, tf_config
-from perseus_legacy.estimator import _compat
+from perseus_legacy import basics
 from perseus_legacy.estimator._gate import ChiefGate
+from perseus_legacy.estimator._run_config import (
+    EVALUATOR_TIMEOUT_ENV,
+    DistributedRunConfig,
+    cluster_role,
+)
 from perseus_legacy.hooks import BroadcastGlobalVariablesHook, SyncReplicasHook
+from perseus_legacy.tf_compat import estimator_api
 
-LOG_ALL_RANKS_ENV = "PERSEUS_LOG_ALL_RANKS"
-EVALUATOR_TIMEOUT_ENV = "PERSEUS_EVALUATOR_TIMEOUT_SECS"
-DEFAULT_EVALUATOR_TIMEOUT_SECS = 1800.0
 _BATCH_SIZE = "perseus_legacy_batch_size"  # graph collection: this rank's training batch size
 _GATE = ChiefGate("perseus.estimator")
 
-_estimator_lib = importlib.import_module(_compat.PACKAGE + ".estimator")
-_training_lib = importlib.import_module(_compat.PACKAGE + ".training")
-_run_config_lib = importlib.import_module(_compat.PACKAGE + ".run_config")
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterRole:
-    """This process's place in distributed Estimator training."""
-
-    rank: int | None  # None: the TF_CONFIG evaluator, no rank of the training group
-    size: int
-    has_evaluator: bool = False  # TF_CONFIG names an evaluator task: rank 0 does not evaluate
-
-    @property
-    def evaluator(self) -> bool:
-        """Whether this process is the TF_CONFIG evaluator task."""
-        return self.rank is None
-
-    @property
-    def is_chief(self) -> bool:
-        """Rank 0: writes checkpoints and summaries, evaluates (without an evaluator), logs."""
-        return self.rank == 0
-
-
-def _tf_config_cluster() -> tuple:
-    """(Cluster, whether it has an evaluator) when TF_CONFIG names a cluster, else (None, False)."""
-    text = os.environ.get("TF_CONFIG", "").strip()
-    try:
-        value = json.loads(text) if text else {}
-    except json.JSONDecodeError:
-        value = None
-    if not isinstance(value, dict) or value.get("cluster"):
-        cluster = tf_config.parse_tf_config(text)  # says what is wrong; raises for ps tasks
-        return cluster, bool(value["cluster"].get("evaluator"))
-    return None, False
-
-
-def cluster_role() -> ClusterRole:
-    """Which training rank this process is (initialising perseus_legacy when needed)."""
-    cluster, has_evaluator = _tf_config_cluster()
-    if cluster is not None and not cluster.is_rank:
-        return ClusterRole(None, cluster.size, has_evaluator=True)
-    if not basics.is_initialized():
-        basics.init()
-    return ClusterRole(basics.rank(), basics.size(), has_evaluator)
-
-
-class DistributedRunConfig(_run_config_lib.RunConfig):
-    """The RunConfig of `run_config()`: an Estimator given it trains on every rank together."""
-
-    _perseus_evaluator_timeout_secs = DEFAULT_EVALUATOR_TIMEOUT_SECS
-
-    @property
-    def evaluator_timeout_secs(self) -> float:
-        """Seconds the TF_CONFIG evaluator waits for a new checkpoint before failing (0: ever)."""
-        return self._perseus_evaluator_timeout_secs
-
-    def _init_distributed_setting_from_environment_var(self, tf_config_dict: dict) -> None:
-        # Called by RunConfig.__init__ with TF_CONFIG. A rank gets a local config; the evaluator
-        # gets tf.estimator's evaluator config, its cluster spelt with a chief (TF requires one).
-        if tf_config_dict.get("cluster"):
-            cluster = tf_config.parse_tf_config(json.dumps(tf_config_dict))
-            tf_config_dict = {k: v for k, v in tf_config_dict.items()
-                              if k not in ("cluster", "task")}
-            if not cluster.is_rank:
-                jobs = {"chief": list(cluster.addresses[:1])}
-                if cluster.size > 1:
-                    jobs["worker"] = list(cluster.addresses[1:])
-                tf_config_dict.update(cluster=jobs, task={"type": "evaluator", "index": 0})
-        super()._init_distributed_setting_from_environment_var(tf_config_dict)
-
-
-def _evaluator_timeout(given: float | None) -> float:
-    if given is None:
-        text = os.environ.get(EVALUATOR_TIMEOUT_ENV, "").strip()
-        if not text:
-            return DEFAULT_EVALUATOR_TIMEOUT_SECS
-        try:
-            given = float(text)
-        except ValueError:
-            given = -1.0
-        where = f"{EVALUATOR_TIMEOUT_ENV}={text!r}"
-    else:
-        where = f"run_config(evaluator_timeout_secs={given!r})"
-    if not given >= 0:
-        raise ValueError(f"{where}: expected seconds >= 0 (0: wait for checkpoints forever)")
-    return float(given)
-
-
-def _private_model_dir(rank: int) -> str:
-    path = tempfile.mkdtemp(prefix=f"perseus_model_dir_rank{rank}_")
-    atexit.register(shutil.rmtree, path, True)
-    return path
-
-
-class _WarningsOnly(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING
-
-
-_QUIET = _WarningsOnly()
-
-
-def run_config(evaluator_timeout_secs: float | None = None,
-               **kwargs: Any) -> DistributedRunConfig:
-    """A RunConfig (`RunConfig` keyword arguments) for training one Estimator on every rank.
-
-    Rank 0 writes checkpoints and summaries into `model_dir`, evaluates and logs. Every other
-    rank gets a private temporary model_dir, removed at exit, and writes nothing: no checkpoints,
-    no summaries, and TensorFlow's INFO logs are dropped there unless PERSEUS_LOG_ALL_RANKS=1.
-    `session_config` gets session_config() (this rank's GPU); `tf_random_seed` is kept as given.
-    perseus_legacy.init() runs first if it has not. The TF_CONFIG evaluator task joins no group;
-    it fails when no new checkpoint appears in `model_dir` for `evaluator_timeout_secs`
-    (default: PERSEUS_EVALUATOR_TIMEOUT_SECS, else 1800; 0: no limit).
-    """
-    timeout = _evaluator_timeout(evaluator_timeout_secs)
-    role = cluster_role()
-    if not role.evaluator:
-        kwargs["session_config"] = config.session_config(kwargs.get("session_config"))
-    if not role.is_chief and not role.evaluator:
-        log_all = os.environ.get(LOG_ALL_RANKS_ENV, "0") not in ("", "0")
-        kwargs.update(model_dir=_private_model_dir(role.rank), save_checkpoints_steps=None,
-                      save_checkpoints_secs=None, save_summary_steps=0)
-        if not log_all:
-            kwargs["log_step_count_steps"] = None
-            tf.get_logger().addFilter(_QUIET)
-    install()
-    result = DistributedRunConfig(**kwargs)
-    result._perseus_evaluator_timeout_secs = timeout
-    return result
-
-
-def estimator_hooks() -> list:
-    """The training hooks that `run_config()` already applies: `[SyncReplicasHook()]`.
-
-    Passing them to `train()` too applies nothing twice. With any other RunConfig they make
-    the training synchronous (gradient averaging, rank 0's variables broadcast at the start),
-    but ranks do not agree on the start step, and every rank writes into its model_dir.
-    """
-    return [SyncReplicasHook()]
+_estimator_lib = importlib.import_module(estimator_api.PACKAGE + ".estimator")
+_training_lib = importlib.import_module(estimator_api.PACKAGE + ".training")
 
 
 def _is_distributed(estimator: Any) -> bool:

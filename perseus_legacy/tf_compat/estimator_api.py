@@ -1,9 +1,9 @@
-"""Runs the real tensorflow-estimator 2.15 on TensorFlow >= 2.16.
+"""Patches: the real tensorflow-estimator 2.15 runs on TensorFlow >= 2.16.
 
-TensorFlow 2.16 removed tf.estimator together with a few internals that tensorflow-estimator
-imports. Each function below supplies one of them, and only when this TensorFlow lacks it (on
-TF <= 2.15 every check finds the real thing and nothing is touched). apply() runs them all once;
-compat_report() says what was done.
+Made necessary by TensorFlow 2.16, which removed tf.estimator together with a few internals that
+tensorflow-estimator imports. Each supply_/alias_/expose_ function below supplies one of them,
+and only when this TensorFlow lacks it (feature-detected: on TF <= 2.15 every check finds the
+real thing and nothing is touched). They return SUPPLIED or PRESENT for compat_report().
 """
 
 from __future__ import annotations
@@ -11,26 +11,19 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import importlib.util
-import os
 import sys
 import types
 from typing import Any
 
-from perseus_legacy.estimator import _keras
+from perseus_legacy.tf_compat import keras as _keras
 
-NO_TF_PATCH_ENV = "PERSEUS_NO_TF_PATCH"
 PACKAGE = "tensorflow_estimator.python.estimator"
 API_V1 = PACKAGE + ".api._v1.estimator"
 API_V2 = PACKAGE + ".api._v2.estimator"
 
 SUPPLIED = "supplied by perseus_legacy"
 PRESENT = "present in TensorFlow"
-LEFT_ALONE = f"left alone ({NO_TF_PATCH_ENV}=1)"
-TF_NAMESPACE = "tf.estimator, tf.compat.v1.estimator, tf.compat.v2.estimator"
-
-_pieces: dict[str, str] = {}
 
 
 class TPUUnavailableError(NotImplementedError):
@@ -56,15 +49,21 @@ def supply_estimator_training() -> str:
     name = "tensorflow.python.distribute.estimator_training"
     if not _missing(name):
         return PRESENT
-    from perseus_legacy.estimator import _estimator_training
+    from perseus_legacy.tf_compat import _estimator_training
 
     _install_module(name, _estimator_training)
     return SUPPLIED
 
 
 def supply_estimator_api_name() -> str:
-    """The `estimator` API name in tf_export, which estimator_export registers symbols under."""
-    # TF 2.16 dropped ESTIMATOR_API_NAME and its entries in API_ATTRS / API_ATTRS_V1.
+    """The `estimator` API name in tf_export, which estimator_export registers symbols under.
+
+    With it, get_v1_names() / get_v2_names() list a symbol's estimator names again (e.g.
+    `['estimator.Estimator']`), after its TensorFlow names and before its Keras names, as on
+    TF 2.15.
+    """
+    # TF 2.16 dropped ESTIMATOR_API_NAME, its entries in API_ATTRS / API_ATTRS_V1, and the
+    # estimator names in get_v1_names() / get_v2_names().
     from tensorflow.python.util import tf_export
 
     if hasattr(tf_export, "ESTIMATOR_API_NAME") and "estimator" in tf_export.API_ATTRS:
@@ -75,7 +74,27 @@ def supply_estimator_api_name() -> str:
         "_estimator_api_names", "_estimator_api_constants")
     tf_export.API_ATTRS_V1["estimator"] = attributes(
         "_estimator_api_names_v1", "_estimator_api_constants_v1")
+    tf_export.get_v1_names = _api_names_of(tf_export, tf_export.API_ATTRS_V1, "get_v1_names")
+    tf_export.get_v2_names = _api_names_of(tf_export, tf_export.API_ATTRS, "get_v2_names")
     return SUPPLIED
+
+
+def _api_names_of(tf_export: Any, attributes: dict, name: str) -> Any:
+    apis = (tf_export.TENSORFLOW_API_NAME, tf_export.ESTIMATOR_API_NAME, tf_export.KERAS_API_NAME)
+
+    def api_names(symbol: Any) -> list[str]:
+        names: list[str] = []
+        own = getattr(symbol, "__dict__", None)
+        if own is None:
+            return names
+        for api in apis:
+            if attributes[api].names in own:
+                names.extend(own[attributes[api].names])
+        return names
+
+    api_names.__name__ = api_names.__qualname__ = name
+    api_names.__doc__ = f"A symbol's {name[4:6]} API names: TensorFlow, estimator and Keras."
+    return api_names
 
 
 class _RemovedTPUModule(types.ModuleType):
@@ -104,7 +123,7 @@ class _RemovedTPUModule(types.ModuleType):
 # TF 2.16 dropped these TPUEstimator-era modules; tpu/tpu_estimator.py and
 # tpu/_tpu_estimator_embedding.py import them (and tpu_embedding's optimizer classes) at module
 # level, and tensorflow_estimator/__init__.py imports those through the tf.compat.v1 API.
-_TPU_MODULES = ("tpu_embedding", "session_support", "tpu_embedding_gradient")
+TPU_MODULES = ("tpu_embedding", "session_support", "tpu_embedding_gradient")
 
 
 def supply_tpu_module(short_name: str) -> str:
@@ -219,43 +238,3 @@ def expose_tf_estimator() -> str:
     tf.compat.v1.estimator = _LazyAPI(tf.compat.v1, "estimator", API_V1)
     tf.compat.v2.estimator = _LazyAPI(tf.compat.v2, "estimator", API_V2)
     return SUPPLIED
-
-
-def apply() -> dict[str, str]:
-    """Supplies every missing piece (once); returns piece -> what was done."""
-    if _pieces:
-        return dict(_pieces)
-    _pieces["tensorflow.python.distribute.estimator_training"] = supply_estimator_training()
-    _pieces["tf_export.ESTIMATOR_API_NAME"] = supply_estimator_api_name()
-    for short_name in _TPU_MODULES:
-        _pieces[f"tensorflow.python.tpu.{short_name}"] = supply_tpu_module(short_name)
-    if os.environ.get(NO_TF_PATCH_ENV, "").lower() in ("1", "true", "yes", "on"):
-        _pieces[TF_NAMESPACE] = LEFT_ALONE
-        _pieces["tensorflow.python.estimator"] = LEFT_ALONE
-    else:
-        _pieces[TF_NAMESPACE] = expose_tf_estimator()
-        _pieces["tensorflow.python.estimator"] = alias_python_estimator()
-    return dict(_pieces)
-
-
-def _distribution_version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def compat_report() -> dict[str, str]:
-    """What the compatibility layer found and did on this TensorFlow, one line per piece."""
-    if _keras.tensorflow_version() is None:
-        return {"tensorflow": "not installed"}
-    import tensorflow as tf
-
-    report = {
-        "tensorflow": tf.__version__,
-        "tensorflow-estimator": _distribution_version("tensorflow-estimator"),
-        "tf-keras": _distribution_version("tf-keras"),
-        "legacy keras": _keras.decision,
-    }
-    report.update(apply())
-    return report
