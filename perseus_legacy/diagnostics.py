@@ -52,8 +52,7 @@ def _core() -> str:
 
 def _controllers() -> Any:
     info = importlib.import_module("perseus_legacy._core").build_info()
-    return {key: {True: "built", False: "not built"}.get(value, value)
-            for key, value in dict(info).items() if key != "nccl"}
+    return {key: "built" if info.get(key) else "not built" for key in ("mpi", "tcp")}
 
 
 def _tf_ops() -> str:
