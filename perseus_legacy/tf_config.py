@@ -235,14 +235,21 @@ def start_timeout(env: Mapping[str, str] | None = None) -> float:
     return value
 
 
+MIN_SECRET_BYTES = 16
+
+
 def job_secret(env: Mapping[str, str] | None = None) -> str:
-    """PERSEUS_SECRET, which every TCP rank must share; a clear error when it is missing."""
+    """PERSEUS_SECRET, which every TCP rank must share; a clear error when missing or short."""
     env = os.environ if env is None else env
     secret = env.get("PERSEUS_SECRET", "")
+    how = ("e.g. set it to the output of `python -c 'import secrets; print(secrets.token_hex(16))'`"
+           " for every task (perseusrun --tcp creates one itself)")
     if not secret:
         raise TFConfigError(
             "a TCP (TF_CONFIG) launch needs PERSEUS_SECRET, the same value on every task, so "
-            "that only this job's tasks can join it; e.g. set it to the output of "
-            "`python -c 'import secrets; print(secrets.token_hex(16))'` for every task "
-            "(perseusrun --tcp creates one itself)")
+            f"that only this job's tasks can join it; {how}")
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise TFConfigError(
+            f"PERSEUS_SECRET has {len(secret.encode())} bytes, fewer than {MIN_SECRET_BYTES}: a "
+            f"short secret can be guessed by anyone who reaches the ranks' ports; {how}")
     return secret

@@ -114,6 +114,10 @@ def test_bad_settings_are_named():
     assert tf_config.start_timeout({}) == 120.0
     with pytest.raises(tf_config.TFConfigError, match="needs PERSEUS_SECRET"):
         tf_config.job_secret({})
+    with pytest.raises(tf_config.TFConfigError, match="PERSEUS_SECRET has 15 bytes, fewer than "
+                       "16.*secrets.token_hex"):
+        tf_config.job_secret({"PERSEUS_SECRET": "x" * 15})
+    assert tf_config.job_secret({"PERSEUS_SECRET": "x" * 16}) == "x" * 16
     with pytest.raises(tf_config.TFConfigError, match="PERSEUS_TCP_RANK='5'"):
         tf_config.parse_perseus_variables("5", "127.0.0.1:1,127.0.0.1:2")
 
@@ -202,7 +206,8 @@ def test_killed_peer_fails_every_other_rank_within_30_seconds_naming_it(group_ru
 def start_failure_run() -> tuple:
     """A 4-rank cluster: rank 2 knows a wrong secret, rank 3 never starts."""
     cluster = cluster_of(4)
-    tasks = [("chief", 0), ("worker", 0), ("worker", 1, {"PERSEUS_SECRET": "not-the-secret"})]
+    wrong = {"PERSEUS_SECRET": "not-the-secret-of-this-job"}
+    tasks = [("chief", 0), ("worker", 0), ("worker", 1, wrong)]
     return cluster, start_tasks(cluster, tasks, "init", env={"PERSEUS_START_TIMEOUT": "5"})
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import pickle
 import time
 from typing import Any, Callable
 
@@ -33,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from perseus_legacy import basics
+from perseus_legacy.estimator import _payload
 from perseus_legacy.estimator._gate import ChiefGate
 from perseus_legacy.estimator._run_config import (
     EVALUATOR_TIMEOUT_ENV,
@@ -225,8 +225,8 @@ def _run_local(original: Callable, self: Any) -> Any:
         return None
     result = original(self)  # the evaluation happened on rank 0, while the others waited
     chief = cluster_role().is_chief
-    _, payload = _GATE.sync(payload=pickle.dumps(result) if chief else b"")
-    return pickle.loads(payload)
+    _, payload = _GATE.sync(payload=_payload.encode(result) if chief else b"")
+    return _payload.decode(payload)
 
 
 class EvaluatorTimeoutError(RuntimeError):

@@ -89,6 +89,23 @@ def check_allreduce_ops(rank: int, size: int) -> None:
             assert_close(rank, name, got, expected_reduce(data, op, dtype), **tolerance(dtype))
 
 
+def check_negative_values(rank: int, size: int) -> None:
+    """Integer Average truncates toward zero (-5 / 3 is -1, not -2); Min/Max see the sign."""
+    for dtype in ["int8", "int32", "int64", "float32"]:
+        data = [np.random.default_rng(50 + r).integers(-7, 8, size=(4, 6)).astype(dtype)
+                for r in range(size)]
+        for op_name in ("average", "min", "max", "sum"):
+            name = f"neg.{dtype}.{op_name}"
+            got = _core.allreduce(data[rank], name, op=OPS[op_name])
+            assert_close(rank, name, got, expected_reduce(data, OPS[op_name], dtype))
+    # Spelt out: sums -3, 3, -3 on 2 ranks and -5, 5, -4 on 3 average to -1, 1, -1 (flooring
+    # would give -2 for the negative ones).
+    rows = {2: [[-2, 2, -1], [-1, 1, -2]], 3: [[-2, 2, -2], [-2, 2, -1], [-1, 1, -1]]}
+    if size in rows:
+        got = _core.allreduce(np.array(rows[size][rank], np.int32), "neg.trunc", op=AVERAGE)
+        assert_close(rank, "neg.trunc", got, np.array([-1, 1, -1], np.int32))
+
+
 def check_scaling(rank: int, size: int) -> None:
     cases = [("float32", SUM, 0.5, 3.0), ("float64", AVERAGE, 2.0, 0.25),
              ("float16", SUM, 0.25, 2.0), (ml_dtypes.bfloat16, AVERAGE, 1.0, 4.0),
@@ -279,6 +296,7 @@ def main() -> None:
     check_topology(rank, size)
     check_argument_errors(rank)
     check_allreduce_ops(rank, size)
+    check_negative_values(rank, size)
     check_scaling(rank, size)
     check_allgather(rank, size)
     check_broadcast(rank, size)
