@@ -36,6 +36,10 @@ LOCAL_HOST_NAMES = {"localhost", "127.0.0.1", "::1"}
 MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
 # SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
 KILL_GRACE_SECONDS = 10.0
+# The signals that stop a job: forwarded to its ranks (or, while emulated hosts are built, they
+# unwind the launcher so that the hosts are removed).
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                     if s)
 TIMEOUT_EXIT_CODE = 124
 # `--tcp --emulate-hosts`: local rank i of every emulated host listens on this port + i (the
 # hosts' network namespaces are new: nothing else listens there).
@@ -284,8 +288,7 @@ def run_job(cmd: list[str], env: dict, timeout: float | None = None,
         if kill_deadline[0] is None:
             kill_deadline[0] = time.monotonic() + grace
 
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
-    previous = {s: signal.signal(s, forward) for s in handled}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while True:
             deadlines = [d for d in (job_deadline, kill_deadline[0]) if d is not None]
@@ -408,8 +411,7 @@ def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None 
         stopped_by.append(signum)
         stop(signum)
 
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
-    previous = {s: signal.signal(s, forward) for s in handled}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while any(proc.poll() is None for proc in procs):
             now = time.monotonic()
@@ -484,8 +486,7 @@ def _raise_stopped(signum: int, _frame: object) -> None:
 
 def run_emulated(args: argparse.Namespace, env: dict, count: int, slots: int) -> int:
     """Builds the emulated hosts, runs the job across them, removes them whatever happens."""
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
-    previous = {s: signal.signal(s, _raise_stopped) for s in handled}
+    previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
     try:
         with emulate.emulated_hosts(count, args.link_rate) as hosts:
             if args.verbose:
