@@ -2,6 +2,7 @@
 
     perseusrun -np 4 -H hostA:2,hostB:2 python train.py --epochs 3
     perseusrun --tcp -np 4 python train.py      (this machine, no MPI: the TCP controller)
+    perseusrun --emulate-hosts 2:2 --link-rate 1gbit python train.py   (2 emulated hosts here)
 
 Everything after the first argument that is not a perseusrun option is the program and its own
 arguments. This module imports neither TensorFlow nor the native core; only `--check-build`
@@ -25,6 +26,7 @@ import time
 
 import perseus_env
 from perseus_env import ADDRESSES_VARIABLE, LEGACY_KERAS_SET_HERE, RANK_VARIABLE
+from perseusrun import emulate
 
 # Forwarded to every rank (with `-x NAME`) whenever they are set.
 FORWARDED_NAMES = ("PYTHONPATH", "PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "OMP_NUM_THREADS")
@@ -34,11 +36,19 @@ LOCAL_HOST_NAMES = {"localhost", "127.0.0.1", "::1"}
 MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
 # SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
 KILL_GRACE_SECONDS = 10.0
+# The signals that stop a job: forwarded to its ranks (or, while emulated hosts are built, they
+# unwind the launcher so that the hosts are removed).
+STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
+                     if s)
 TIMEOUT_EXIT_CODE = 124
+# `--tcp --emulate-hosts`: local rank i of every emulated host listens on this port + i (the
+# hosts' network namespaces are new: nothing else listens there).
+EMULATED_TCP_PORT = 29500
 # Options that consume the next argument; the first argument that is neither one of these nor
 # an option starts the user's program.
 _VALUE_OPTIONS = {"-np", "-n", "--num-proc", "-H", "--host", "--hosts", "--hostfile", "-x",
-                  "--timeout", "--bind-to", "--mpi-args", "--yield-when-idle"}
+                  "--timeout", "--bind-to", "--mpi-args", "--yield-when-idle",
+                  "--emulate-hosts", "--link-rate"}
 
 
 class UsageError(Exception):
@@ -73,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tcp", action="store_true",
                    help="start the ranks on this machine without MPI; they use the TCP "
                         "controller (PERSEUS_TCP_RANK / PERSEUS_TCP_ADDRESSES, no TF_CONFIG)")
+    p.add_argument("--emulate-hosts", metavar="N[:SLOTS]",
+                   help="run the job on N emulated hosts of this machine (network namespaces, "
+                        "root only) with SLOTS ranks each (default 1); -np defaults to N*SLOTS")
+    p.add_argument("--link-rate", metavar="RATE",
+                   help="with --emulate-hosts: limit each host's link to RATE in each direction "
+                        "(tc syntax: 1gbit, 10gbit, 100mbit)")
     p.add_argument("--check-build", action="store_true",
                    help="print which native parts were built and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpirun command")
@@ -189,8 +205,10 @@ def _check_job_args(args: argparse.Namespace) -> None:
         raise UsageError(f"--timeout must be positive, got {args.timeout}")
 
 
-def build_mpirun_command(args: argparse.Namespace, env: dict) -> list[str]:
-    """The mpirun command line for parsed perseusrun `args` launched from environment `env`."""
+def build_mpirun_command(args: argparse.Namespace, env: dict,
+                         launcher_args: list[str] | None = None) -> list[str]:
+    """The mpirun command line for parsed perseusrun `args` launched from environment `env`;
+    `launcher_args` go before the user's --mpi-args."""
     _check_job_args(args)
     hosts = _hosts(args)
     local_only = all(is_local_host(name) for name, _ in hosts)
@@ -225,7 +243,7 @@ def build_mpirun_command(args: argparse.Namespace, env: dict) -> list[str]:
         forwarded[name] = item
     for item in forwarded.values():
         cmd += ["-x", item]
-    return cmd + shlex.split(args.mpi_args) + args.program
+    return cmd + list(launcher_args or []) + shlex.split(args.mpi_args) + args.program
 
 
 def _descendants(pid: int) -> list[int]:
@@ -270,8 +288,7 @@ def run_job(cmd: list[str], env: dict, timeout: float | None = None,
         if kill_deadline[0] is None:
             kill_deadline[0] = time.monotonic() + grace
 
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
-    previous = {s: signal.signal(s, forward) for s in handled}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while True:
             deadlines = [d for d in (job_deadline, kill_deadline[0]) if d is not None]
@@ -319,8 +336,10 @@ def free_local_ports(count: int) -> list[int]:
             s.close()
 
 
-def tcp_rank_envs(args: argparse.Namespace, env: dict) -> list[dict]:
-    """Each local rank's environment for `perseusrun --tcp` (validates the command line)."""
+def tcp_rank_envs(args: argparse.Namespace, env: dict,
+                  addresses: list[str] | None = None) -> list[dict]:
+    """Each rank's environment for `perseusrun --tcp` (validates the command line); the ranks
+    listen on `addresses` (default: free ports of 127.0.0.1)."""
     _check_job_args(args)
     if args.mpi_args:
         raise UsageError("--mpi-args has no meaning with --tcp (no mpirun is started)")
@@ -339,7 +358,7 @@ def tcp_rank_envs(args: argparse.Namespace, env: dict) -> list[dict]:
             base[name] = value
     base["PERSEUS_CONTROLLER"] = "tcp"
     base[ADDRESSES_VARIABLE] = ",".join(
-        f"127.0.0.1:{port}" for port in free_local_ports(args.np))
+        addresses or (f"127.0.0.1:{port}" for port in free_local_ports(args.np)))
     return [{**base, RANK_VARIABLE: str(rank)} for rank in range(args.np)]
 
 
@@ -360,12 +379,15 @@ def _signal_all(procs: list[subprocess.Popen], signum: int) -> None:
 
 
 def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None = None,
-                    grace: float = KILL_GRACE_SECONDS, tag_output: bool = False) -> int:
-    """Runs one `program` per environment; ends every rank when one fails or time runs out."""
+                    grace: float = KILL_GRACE_SECONDS, tag_output: bool = False,
+                    hosts: list[emulate.EmulatedHost] | None = None) -> int:
+    """Runs one `program` per environment (rank i on `hosts[i]` when given); ends every rank
+    when one fails or time runs out."""
     pipe = subprocess.PIPE if tag_output else None
     procs, forwarders = [], []
     for rank, env in enumerate(envs):
-        proc = subprocess.Popen(program, env=env, stdout=pipe, stderr=pipe,
+        argv = hosts[rank].command(program) if hosts else program
+        proc = subprocess.Popen(argv, env=env, stdout=pipe, stderr=pipe,
                                 start_new_session=True)
         procs.append(proc)
         if tag_output:
@@ -389,8 +411,7 @@ def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None 
         stopped_by.append(signum)
         stop(signum)
 
-    handled = [s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)) if s]
-    previous = {s: signal.signal(s, forward) for s in handled}
+    previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while any(proc.poll() is None for proc in procs):
             now = time.monotonic()
@@ -423,6 +444,75 @@ def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None 
     if stopped_by:
         return 128 + stopped_by[0]
     return failure[0] if failure else 0
+
+
+def parse_emulated_hosts(spec: str) -> tuple[int, int]:
+    """`--emulate-hosts N[:SLOTS]` -> (N, SLOTS)."""
+    count, _, slots = spec.partition(":")
+    return (_slot_count(count, f"--emulate-hosts {spec}"),
+            _slot_count(slots or "1", f"--emulate-hosts {spec}"))
+
+
+def check_emulation_args(args: argparse.Namespace) -> tuple[int, int] | None:
+    """(hosts, slots) of --emulate-hosts, None without it; sets -np's default to all slots."""
+    if not args.emulate_hosts:
+        if args.link_rate:
+            raise UsageError("--link-rate limits emulated hosts' links: add --emulate-hosts N")
+        return None
+    if args.hosts or args.hostfile:
+        raise UsageError("--emulate-hosts makes its own hosts: drop -H/--hostfile")
+    count, slots = parse_emulated_hosts(args.emulate_hosts)
+    if args.np is None:
+        args.np = count * slots
+    if args.tcp and args.np > count * slots:
+        raise UsageError(f"-np {args.np} needs {args.np} slots but --emulate-hosts "
+                         f"{args.emulate_hosts} gives {count * slots}")
+    try:
+        emulate.check_requirements(args.link_rate)
+        if args.link_rate:
+            emulate.rate_bytes_per_second(args.link_rate)
+    except emulate.EmulationError as exc:
+        raise UsageError(str(exc)) from None
+    return count, slots
+
+
+class _Stopped(BaseException):
+    """A stop signal while emulated hosts are built: unwinds so that they are removed."""
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def run_emulated(args: argparse.Namespace, env: dict, count: int, slots: int) -> int:
+    """Builds the emulated hosts, runs the job across them, removes them whatever happens."""
+    previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
+    try:
+        with emulate.emulated_hosts(count, args.link_rate) as hosts:
+            if args.verbose:
+                listed = ", ".join(f"{h.name}={h.address}" for h in hosts)
+                print(f"perseusrun: {count} emulated hosts with {slots} slots on {hosts.subnet}:"
+                      f" {listed}", file=sys.stderr, flush=True)
+            if args.tcp:
+                placed = [hosts[rank // slots] for rank in range(args.np)]
+                addresses = [f"{host.address}:{EMULATED_TCP_PORT + rank % slots}"
+                             for rank, host in enumerate(placed)]
+                envs = tcp_rank_envs(args, env, addresses)
+                return run_local_ranks(args.program, envs, timeout=args.timeout,
+                                       tag_output=args.tag_output, hosts=placed)
+            args.hosts = ",".join(f"{host.address}:{slots}" for host in hosts)
+            cmd = build_mpirun_command(args, env, hosts.mpirun_args())
+            if args.verbose:
+                print("perseusrun:", shlex.join(cmd), file=sys.stderr, flush=True)
+            return run_job(cmd, env, timeout=args.timeout)
+    except _Stopped as stop:
+        return 128 + stop.args[0]
+    except (emulate.EmulationError, UsageError) as exc:
+        print(f"perseusrun: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def check_build() -> int:
@@ -461,13 +551,20 @@ def main(argv: list[str] | None = None) -> int:
         # TensorFlow's caching CPU allocator keeps large buffers mapped between steps instead of
         # faulting fresh pages in for every large tensor (a set value is kept).
         env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
-        if args.tcp:
+        emulation = check_emulation_args(args)
+        if emulation:
+            _check_job_args(args)
+            if args.tcp and args.mpi_args:
+                raise UsageError("--mpi-args has no meaning with --tcp (no mpirun is started)")
+        elif args.tcp:
             envs = tcp_rank_envs(args, env)
         else:
             cmd = build_mpirun_command(args, env)
     except UsageError as exc:
         print(f"perseusrun: error: {exc}", file=sys.stderr)
         return 2
+    if emulation:
+        return run_emulated(args, env, *emulation)
     if args.tcp:
         if args.verbose:
             print(f"perseusrun: {args.np} local ranks over TCP at "

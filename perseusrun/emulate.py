@@ -1,0 +1,313 @@
+"""Emulated hosts: several "machines" on this one, each a Linux network namespace.
+
+Every host gets its own network namespace (loopback up, one veth `eth0` with an address in a
+private /24 of 10.77.0.0/16), its own hostname (a UTS namespace per started process) and an
+/etc/hosts that names every host. The veths meet on a bridge in this (the launch) namespace,
+which holds the subnet's .254 address: Open MPI's daemons call mpirun back there, as compute
+nodes call a login node. `link_rate` limits each host's link in both directions (tc tbf on both
+ends of its veth). Needs root and iproute2 (`ip`, `tc`) and util-linux `unshare`.
+
+    with emulated_hosts(2, link_rate="1gbit") as hosts:
+        proc = hosts[1].popen([sys.executable, "task.py"], env=env)
+
+Names carry the job's tag `pl<pid>x<k>`; everything of a tag is removed when the context
+exits (normally, on an exception or a signal turned into one). A launcher that was killed
+leaves its tag behind: the next emulated_hosts() removes every tag whose pid is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET_PREFIX = "10.77"  # host i of a job is 10.77.N.(i + 1); the launch side is 10.77.N.254
+LAUNCH_HOST = 254
+MAX_HOSTS = 64
+COMMAND_TIMEOUT = 30.0
+TAG_PREFIX = "pl"
+# pl<pid>x<k> followed by h<i> (namespace), v<i> (veth, launch side) or br (bridge).
+_NAME = re.compile(rf"^({TAG_PREFIX}(\d+)x\d+)(h\d+|v\d+|br)$")
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)([kmgt]?)(bit|bps)$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+# Each namespace's /etc/<file> is bind-mounted from here by `ip netns exec`.
+NETNS_ETC = Path("/etc/netns")
+_job_numbers = itertools.count()
+
+
+class EmulationError(RuntimeError):
+    """Emulated hosts cannot be built here; the text says what is missing or what failed."""
+
+
+@dataclass(frozen=True)
+class EmulatedHost:
+    """One emulated machine: its hostname, network namespace and address."""
+
+    index: int
+    name: str
+    namespace: str
+    address: str
+
+    def command(self, argv: Sequence[str]) -> list[str]:
+        """`argv` run inside this host: its network namespace, under its own hostname."""
+        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "/bin/sh", "-c",
+                'hostname "$0" && exec "$@"', self.name, *argv]
+
+    def popen(self, argv: Sequence[str], env: dict | None = None,
+              **kwargs) -> subprocess.Popen:
+        """Starts `argv` on this host (subprocess.Popen keywords apply); its pid is argv's."""
+        return subprocess.Popen(self.command(argv), env=env, **kwargs)
+
+
+class EmulatedHosts(Sequence):
+    """The hosts of one emulated cluster (index them) and what mpirun needs to reach them."""
+
+    def __init__(self, tag: str, subnet: int, hosts: list[EmulatedHost], agent: str) -> None:
+        self.tag = tag
+        self.subnet = f"{SUBNET_PREFIX}.{subnet}.0/24"
+        self.launch_address = f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}"
+        self.agent = agent  # the `ssh` of Open MPI's daemons: runs a command on a host
+        self._hosts = hosts
+
+    def __getitem__(self, index):
+        return self._hosts[index]
+
+    def __len__(self) -> int:
+        return len(self._hosts)
+
+    def mpirun_args(self) -> list[str]:
+        """mpirun options that start its daemons on these hosts and keep traffic on the subnet."""
+        return ["--prtemca", "plm_ssh_agent", self.agent,
+                "--prtemca", "plm_ssh_no_tree_spawn", "1",
+                "--prtemca", "oob_tcp_if_include", self.subnet,
+                "--mca", "btl_tcp_if_include", self.subnet]
+
+
+def check_requirements(link_rate: str | None = None) -> None:
+    """Raises EmulationError naming what is missing: root, `ip`, `unshare`, `tc`."""
+    missing = []
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        missing.append("root (network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)")
+    tools = {"ip": "iproute2", "unshare": "util-linux"}
+    if link_rate:
+        tools["tc"] = "iproute2"
+    missing += [f"`{tool}` on PATH (package {package})" for tool, package in tools.items()
+                if shutil.which(tool) is None]
+    if missing:
+        raise EmulationError("emulated hosts need " + " and ".join(missing))
+
+
+def rate_bytes_per_second(rate: str) -> float:
+    """tc's rate syntax (`1gbit`, `100mbit`, `125mbps`) in bytes per second."""
+    match = _RATE.match(rate.strip())
+    if not match:
+        raise EmulationError(f"link rate {rate!r}: expected tc syntax such as 1gbit, 10gbit, "
+                             "100mbit or 125mbps")
+    number, unit, kind = match.groups()
+    value = float(number) * _UNITS[unit.lower()]
+    value = value / 8 if kind.lower() == "bit" else value
+    if value <= 0:
+        raise EmulationError(f"link rate {rate!r} must be positive")
+    return value
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+    if check and proc.returncode != 0:
+        raise EmulationError(f"`{shlex.join(argv)}` failed (exit {proc.returncode}): "
+                             f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def _state_dir() -> Path:
+    base = Path("/run") if os.access("/run", os.W_OK) else Path(tempfile.gettempdir())
+    path = base / "perseusrun-emulate"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _locked(state: Path) -> Iterator[None]:
+    """Serialises setup and removal between launchers (subnets, stale tags)."""
+    with open(state / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _links() -> list[str]:
+    out = _run("ip", "-o", "link", "show", check=False).stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+
+
+def _tags(state: Path) -> dict[str, int]:
+    """tag -> launcher pid of everything emulated that exists now."""
+    names = _namespaces() + _links() + [p.name + "br" for p in state.iterdir() if p.is_dir()]
+    return {m.group(1): int(m.group(2)) for m in map(_NAME.match, names) if m}
+
+
+def _kill_namespace_processes(namespace: str) -> None:
+    # Processes keep a deleted namespace (and its veth) alive: end them first, by pid.
+    out = _run("ip", "netns", "pids", namespace, check=False).stdout
+    for pid in (int(p) for p in out.split() if p.isdigit()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def remove_tag(tag: str, state: Path | None = None) -> None:
+    """Removes every namespace, veth, bridge and file of one emulated cluster."""
+    state = state or _state_dir()
+    namespaces = [n for n in _namespaces() if n.startswith(tag + "h")]
+    for namespace in namespaces:
+        _kill_namespace_processes(namespace)
+    for namespace in namespaces:
+        _run("ip", "netns", "delete", namespace, check=False)
+        shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
+    for link in _links():
+        match = _NAME.match(link)
+        if match and match.group(1) == tag:
+            _run("ip", "link", "delete", link, check=False)
+    for stale_etc in NETNS_ETC.glob(tag + "h*") if NETNS_ETC.is_dir() else ():
+        shutil.rmtree(stale_etc, ignore_errors=True)
+    with contextlib.suppress(OSError):  # /etc/netns itself, when nothing else uses it
+        NETNS_ETC.rmdir()
+    shutil.rmtree(state / tag, ignore_errors=True)
+
+
+def remove_stale(state: Path | None = None) -> list[str]:
+    """Removes the emulated clusters of launchers that no longer run; returns their tags."""
+    state = state or _state_dir()
+    stale = sorted(tag for tag, pid in _tags(state).items() if not _pid_alive(pid))
+    for tag in stale:
+        remove_tag(tag, state)
+    return stale
+
+
+def _free_subnet() -> int:
+    out = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
+    used = {int(m) for m in re.findall(rf"inet {re.escape(SUBNET_PREFIX)}\.(\d+)\.", out)}
+    for subnet in range(256):
+        if subnet not in used:
+            return subnet
+    raise EmulationError(f"every {SUBNET_PREFIX}.N.0/24 subnet is in use on this machine")
+
+
+def _agent_script(hosts: list[EmulatedHost]) -> str:
+    """Open MPI calls it as `agent [ssh options] host command...` (ssh's interface)."""
+    cases = "".join(f"  {h.address}|{h.name}) exec {shlex.join(h.command(['/bin/sh', '-c']))}"
+                    ' "$*" ;;\n' for h in hosts)
+    return ("#!/bin/sh\n"
+            "# ssh for Open MPI's daemons: runs the command inside the emulated host.\n"
+            'while [ $# -gt 0 ]; do case "$1" in -*) shift ;; *) break ;; esac; done\n'
+            'host=$1; shift\n'
+            'case "$host" in\n'
+            f"{cases}"
+            '  *) echo "perseusrun emulated hosts: unknown host $host" >&2; exit 255 ;;\n'
+            "esac\n")
+
+
+def _limit(device: str, rate: str, bytes_per_second: float, namespace: str | None) -> None:
+    # The bucket holds at least 4 ms of traffic (tbf needs a burst above rate / HZ).
+    burst = max(512 * 1024, int(bytes_per_second * 0.004))
+    netns = ["-n", namespace] if namespace else []
+    _run("tc", *netns, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
+         "burst", str(burst), "latency", "10ms")
+
+
+def _build(tag: str, count: int, link_rate: str | None, state: Path) -> EmulatedHosts:
+    subnet = _free_subnet()
+    bridge = f"{tag}br"
+    hosts = [EmulatedHost(i, f"{tag}h{i}", f"{tag}h{i}", f"{SUBNET_PREFIX}.{subnet}.{i + 1}")
+             for i in range(count)]
+    job_dir = state / tag
+    job_dir.mkdir(mode=0o700)
+    rate = rate_bytes_per_second(link_rate) if link_rate else None
+    _run("ip", "link", "add", bridge, "type", "bridge")
+    _run("ip", "addr", "add", f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}/24", "dev", bridge)
+    _run("ip", "link", "set", bridge, "up")
+    etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in hosts)
+    for host in hosts:
+        veth = f"{tag}v{host.index}"
+        _run("ip", "netns", "add", host.namespace)
+        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
+             host.namespace)
+        _run("ip", "link", "set", veth, "master", bridge, "up")
+        _run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _run("ip", "-n", host.namespace, "link", "set", "eth0", "up")
+        _run("ip", "-n", host.namespace, "link", "set", "lo", "up")
+        if rate is not None:
+            _limit(veth, link_rate, rate, None)  # into the host
+            _limit("eth0", link_rate, rate, host.namespace)  # out of the host
+        with contextlib.suppress(OSError):  # only the hostnames' resolution depends on it
+            (NETNS_ETC / host.namespace).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / host.namespace / "hosts").write_text(etc_hosts)
+    agent = job_dir / "agent"
+    agent.write_text(_agent_script(hosts))
+    agent.chmod(0o700)
+    return EmulatedHosts(tag, subnet, hosts, str(agent))
+
+
+@contextlib.contextmanager
+def emulated_hosts(count: int, link_rate: str | None = None) -> Iterator[EmulatedHosts]:
+    """`count` emulated hosts for the time of the with-block; everything is removed after it.
+
+    Removal also runs when the block raises (KeyboardInterrupt included); SIGINT and SIGTERM are
+    ignored while it runs so that a second Ctrl-C cannot leave half a cluster behind.
+    """
+    if not 1 <= count <= MAX_HOSTS:
+        raise EmulationError(f"emulated hosts: {count} requested, 1 to {MAX_HOSTS} supported")
+    check_requirements(link_rate)
+    if link_rate:
+        rate_bytes_per_second(link_rate)
+    state = _state_dir()
+    tag = f"{TAG_PREFIX}{os.getpid()}x{next(_job_numbers)}"
+    if len(f"{tag}h{count - 1}") > 15:  # Linux interface names
+        raise EmulationError(f"emulated host names of tag {tag!r} exceed 15 characters")
+    try:
+        with _locked(state):
+            remove_stale(state)
+            hosts = _build(tag, count, link_rate, state)
+        yield hosts
+    finally:
+        previous = _ignore_stop_signals()
+        try:
+            with _locked(state):
+                remove_tag(tag, state)
+        finally:
+            _restore(previous)
+
+
+def _ignore_stop_signals() -> dict:
+    try:
+        return {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: signals stay as they are
+        return {}
+
+
+def _restore(previous: dict) -> None:
+    for signum, handler in previous.items():
+        signal.signal(signum, handler)
