@@ -334,7 +334,8 @@ def test_tf_config_chief_2_workers_and_evaluator_on_4_hosts_train_and_evaluate_l
             for (task_type, index), host in zip(tasks, hosts):
                 who = f"{task_type}{index}"
                 config = {"cluster": cluster, "task": {"type": task_type, "index": index}}
-                env = task_env({"TF_CONFIG": json.dumps(config), "PERSEUS_SECRET": "multihost",
+                env = task_env({"TF_CONFIG": json.dumps(config),
+                                "PERSEUS_SECRET": "multihost-job-secret",
                                 "PERSEUS_START_TIMEOUT": "300"})
                 with open(tmp_path / f"{who}.log", "w") as log:
                     procs.append(host.popen([sys.executable, str(ROOT / worker), str(tmp_path),
