@@ -19,15 +19,24 @@ from perseus_legacy.basics import (  # noqa: F401
     NotInitializedError,
     Product,
     Sum,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     join,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
     mpi_threads_supported,
+    nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
 )
@@ -40,6 +49,10 @@ from perseus_legacy.config import (  # noqa: F401
     session_config,
 )
 from perseus_legacy.estimator import estimator_hooks, run_config  # noqa: F401
+from perseus_legacy.gradient_tape import (  # noqa: F401
+    DistributedGradientTape,
+    PartialDistributedGradientTape,
+)
 from perseus_legacy.graph_rewrite import GraphRewriteError, distribute_graph  # noqa: F401
 from perseus_legacy.hooks import (  # noqa: F401
     BroadcastGlobalVariablesHook,
@@ -47,11 +60,34 @@ from perseus_legacy.hooks import (  # noqa: F401
     broadcast_global_variables,
     broadcast_variables,
 )
+from perseus_legacy.objects import (  # noqa: F401
+    allgather_object,
+    broadcast_object,
+    broadcast_object_fn,
+)
 from perseus_legacy.ops import (  # noqa: F401
     allgather,
     allreduce,
     alltoall,
     broadcast,
+    broadcast_,
+    grouped_allgather,
     grouped_allreduce,
+    grouped_reducescatter,
+    local_rank_op,
+    local_size_op,
+    process_set_included_op,
+    rank_op,
+    reducescatter,
+    size_op,
 )
 from perseus_legacy.optimizer import DistributedOptimizer, SyncReplicasOptimizer  # noqa: F401
+
+
+def __getattr__(name: str):
+    # SyncBatchNormalization is a Keras layer: Keras is imported only when it is asked for.
+    if name == "SyncBatchNormalization":
+        from perseus_legacy.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module 'perseus_legacy' has no attribute {name!r}")

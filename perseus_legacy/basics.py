@@ -92,6 +92,15 @@ def require_initialized(what: str = "this call") -> None:
         )
 
 
+def check_root(root_rank: int, what: str) -> int:
+    """`root_rank` as an int; ValueError naming `what` unless it is a rank of the group."""
+    require_initialized(f"{what}()")
+    group_size = size()
+    if not 0 <= int(root_rank) < group_size:
+        raise ValueError(f"{what} root_rank {root_rank} is not a rank (size() is {group_size})")
+    return int(root_rank)
+
+
 def _query(name: str) -> int:
     require_initialized(f"{name}()")
     return int(getattr(core(), name)())
@@ -141,3 +150,60 @@ def mpi_threads_supported() -> bool:
     """Whether MPI runs with MPI_THREAD_MULTIPLE (other threads may call MPI too)."""
     require_initialized("mpi_threads_supported()")
     return bool(core().mpi_threads_supported())
+
+
+# What this build and this process group use, under Horovod's names. Horovod's Gloo, NCCL, DDL,
+# oneCCL, CUDA and ROCm back ends do not exist here: their *_built() are False.
+
+def _build_info() -> dict:
+    return dict(core().build_info())
+
+
+def mpi_built() -> bool:
+    """Whether this build can run the process group over MPI."""
+    return bool(_build_info().get("mpi"))
+
+
+def mpi_enabled() -> bool:
+    """Whether the process group runs over MPI (before init(): whether init() would use MPI).
+
+    False under the TCP controller (TF_CONFIG, `perseusrun --tcp`).
+    """
+    if is_initialized():
+        return _build_info().get("controller") == "mpi"
+    return mpi_built() and tf_config.controller_from_env() == "mpi"
+
+
+def nccl_built() -> bool:
+    """Whether NCCL is built in: never (every collective runs on the CPU)."""
+    return bool(_build_info().get("nccl"))
+
+
+def gloo_built() -> bool:
+    """Whether Gloo is built in: never (the non-MPI transport is perseus_legacy's TCP ring)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """Whether Gloo is in use: never."""
+    return False
+
+
+def ddl_built() -> bool:
+    """Whether IBM DDL is built in: never."""
+    return False
+
+
+def ccl_built() -> bool:
+    """Whether oneCCL is built in: never."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether CUDA kernels are built in: never."""
+    return False
+
+
+def rocm_built() -> bool:
+    """Whether ROCm kernels are built in: never."""
+    return False

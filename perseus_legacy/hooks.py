@@ -16,11 +16,11 @@ def _broadcast_name(var: Any) -> str:
     return "broadcast_" + var.op.name.replace("/", "_")
 
 
-def broadcast_variables(variables: Iterable[Any], root_rank: int) -> Any:
+def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool = False) -> Any:
     """Assigns `root_rank`'s value of every variable to it on every rank.
 
     In a graph: returns one grouped op that does it when run (every rank must run it). Eagerly:
-    does it now and returns None.
+    does it now and returns None. `inplace` (Horovod's) is accepted: assignments are in place.
     """
     basics.require_initialized("broadcast_variables()")
     variables = list(variables)

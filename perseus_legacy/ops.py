@@ -25,12 +25,15 @@ import os
 import re
 import sysconfig
 import threading
-from typing import Any, Sequence
+import warnings
+from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from perseus_legacy import basics
 from perseus_legacy.basics import REDUCE_OP_NAMES, Average, Sum
+from perseus_legacy.compression import Compression
 
 TensorLike = Any  # a tf.Tensor or anything tf.convert_to_tensor accepts
 
@@ -127,6 +130,21 @@ def _check_op(op: int) -> int:
     return int(op)
 
 
+def resolve_op(op: int | None, average: bool | None, what: str) -> int:
+    """The reduction op from Horovod's `op=` or its deprecated `average=` (Average by default)."""
+    if op is not None:
+        if average is not None:
+            raise ValueError(f"{what}: pass op= or the deprecated average=, not both "
+                             f"(got op={REDUCE_OP_NAMES.get(op, op)}, average={average})")
+        return _check_op(op)
+    if average is not None:
+        warnings.warn(f"{what}(average=...) is deprecated, as in Horovod: pass "
+                      "op=perseus_legacy.Average or op=perseus_legacy.Sum", DeprecationWarning,
+                      stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
 def _allreduce_dense(tensor: TensorLike, op: int, name: str | None, prescale_factor: float,
                      postscale_factor: float) -> tf.Tensor:
     tensor_name, op_name = _names("PerseusAllreduce", name)
@@ -143,38 +161,59 @@ def _allgather(tensor: TensorLike, name: str | None) -> tf.Tensor:
 def _allreduce_indexed_slices(slices: tf.IndexedSlices, op: int, name: str | None,
                               prescale_factor: float, postscale_factor: float):
     if op not in (Average, Sum):
-        raise ValueError(f"allreduce of tf.IndexedSlices supports Average and Sum, not "
-                         f"{REDUCE_OP_NAMES[op]}; convert the slices to a dense tensor first")
-    scale = prescale_factor * postscale_factor / (basics.size() if op == Average else 1)
+        raise NotImplementedError(
+            f"allreduce of tf.IndexedSlices supports Average and Sum, not {REDUCE_OP_NAMES[op]} "
+            "(as in Horovod); convert the slices to a dense tensor first")
+    scale = float(prescale_factor) * float(postscale_factor)
     if scale != 1.0 and not slices.values.dtype.is_floating:
-        raise TypeError(f"allreduce of tf.IndexedSlices with {slices.values.dtype.name} values "
-                        "supports only Sum without scale factors")
+        raise NotImplementedError(
+            f"allreduce of tf.IndexedSlices with {slices.values.dtype.name} values takes no "
+            "prescale_factor or postscale_factor")
     # Rows are concatenated, not added: duplicate indices add up when the slices are applied.
     values = _allgather(slices.values, f"{name}.values" if name else None)
     indices = _allgather(slices.indices, f"{name}.indices" if name else None)
+    if op == Average:  # true division: integer values become floating point, as in Horovod
+        values = values / tf.cast(basics.size(), values.dtype)
     if scale != 1.0:
         values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
-@_not_autograph
-def allreduce(tensor: TensorLike, op: int = Average, name: str | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0):
-    """Reduces `tensor` over all ranks with `op`; every rank gets the result.
-
-    The result is `postscale_factor * op(prescale_factor * tensor of every rank)`; Average of
-    integer tensors divides with truncation. A `tf.IndexedSlices` is allgathered (values and
-    indices concatenated in rank order, values divided by size() for Average) and stays sparse.
-    """
-    basics.require_initialized("perseus_legacy.allreduce()")
-    op = _check_op(op)
+def _allreduce_one(tensor: TensorLike, op: int, name: str | None, prescale_factor: float,
+                   postscale_factor: float, what: str) -> Any:
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.dtype == tf.bool:
-        raise TypeError("perseus_legacy.allreduce does not reduce bool tensors: cast to int32 "
+        raise TypeError(f"perseus_legacy.{what} does not reduce bool tensors: cast to int32 "
                         "(then Max is any(), Min is all())")
     return _allreduce_dense(tensor, op, name, prescale_factor, postscale_factor)
+
+
+# Horovod's device_dense / device_sparse arguments are accepted and ignored: every kernel of
+# this library runs on the CPU.
+
+@_not_autograph
+def allreduce(tensor: TensorLike, average: bool | None = None, device_dense: str = "",
+              device_sparse: str = "", compression: Any = Compression.none,
+              op: int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None) -> Any:
+    """Reduces `tensor` over all ranks with `op` (default Average); every rank gets the result.
+
+    The result is `postscale_factor * op(prescale_factor * tensor of every rank)`; Average of
+    integer tensors divides with truncation. A `tf.IndexedSlices` is allgathered (values and
+    indices concatenated in rank order; for Average the values are divided by size(), integer
+    values becoming floating point as in Horovod) and stays sparse; `compression` applies to
+    dense tensors only. `average=` is Horovod's deprecated spelling of `op`; `device_dense` and
+    `device_sparse` are ignored (every kernel runs on the CPU).
+    """
+    basics.require_initialized("perseus_legacy.allreduce()")
+    op = resolve_op(op, average, "allreduce")
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_one(tensor, op, name, prescale_factor, postscale_factor, "allreduce")
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    return compression.decompress(
+        _allreduce_one(compressed, op, name, prescale_factor, postscale_factor, "allreduce"), ctx)
 
 
 def _grouped_graph(tensors: list, op: int, name: str | None, prescale_factor: float,
@@ -184,8 +223,8 @@ def _grouped_graph(tensors: list, op: int, name: str | None, prescale_factor: fl
     dense = {}
     for i, tensor in enumerate(tensors):
         if isinstance(tensor, tf.IndexedSlices):
-            results[i] = allreduce(tensor, op, f"{name}_{i}" if name else None, prescale_factor,
-                                   postscale_factor)
+            results[i] = _allreduce_indexed_slices(tensor, op, f"{name}_{i}" if name else None,
+                                                   prescale_factor, postscale_factor)
             continue
         tensor = tf.convert_to_tensor(tensor)
         if tensor.dtype == tf.bool:
@@ -208,26 +247,40 @@ def _grouped_dense(tensors: list, op: int, name: str | None, prescale_factor: fl
         postscale_factor=float(postscale_factor), tensor_name=tensor_name, name=op_name)
 
 
-# Eagerly, each op would block until it completes: one round trip per tensor. As one function
-# all of them are in flight at once and the runtime fuses them.
-_grouped_function = tf.function(_grouped_graph, autograph=False, reduce_retracing=True)
+def _one_function(build: Callable) -> Callable:
+    """`build` as one tf.function: eagerly, each op would block until it completes (one round
+    trip per tensor); in one function all of them are in flight at once and get fused."""
+    return tf.function(build, autograph=False, reduce_retracing=True)
+
+
+_grouped_function = _one_function(_grouped_graph)
 
 
 @_not_autograph
-def grouped_allreduce(tensors: Sequence[TensorLike], op: int = Average, name: str | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list:
+def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None,
+                      device_dense: str = "", device_sparse: str = "",
+                      compression: Any = Compression.none, op: int | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      name: str | None = None) -> list:
     """Allreduces every tensor of `tensors` with the same op; returns the results in order.
 
     All the reductions are submitted together, so small tensors are fused into few collectives.
+    Arguments as for allreduce().
     """
     basics.require_initialized("perseus_legacy.grouped_allreduce()")
-    op = _check_op(op)
+    op = resolve_op(op, average, "grouped_allreduce")
     tensors = list(tensors)
-    dense = not any(isinstance(t, tf.IndexedSlices) for t in tensors)
-    if tensors and dense and tf.executing_eagerly():
-        return _grouped_function([tf.convert_to_tensor(t) for t in tensors], op, name,
-                                 float(prescale_factor), float(postscale_factor))
-    return _grouped_graph(tensors, op, name, prescale_factor, postscale_factor)
+    contexts: dict = {}
+    for i, tensor in enumerate(tensors):
+        if not isinstance(tensor, tf.IndexedSlices):
+            tensors[i], contexts[i] = compression.compress(tf.convert_to_tensor(tensor))
+    if tensors and len(contexts) == len(tensors) and tf.executing_eagerly():
+        results = _grouped_function(tensors, op, name, float(prescale_factor),
+                                    float(postscale_factor))
+    else:
+        results = _grouped_graph(tensors, op, name, prescale_factor, postscale_factor)
+    return [compression.decompress(r, contexts[i]) if i in contexts else r
+            for i, r in enumerate(results)]
 
 
 @_not_autograph
@@ -240,41 +293,212 @@ def allgather(tensor: TensorLike, name: str | None = None) -> tf.Tensor:
     return _allgather(tensor, name)
 
 
+def _allgather_list(tensors: list, name: str | None) -> list:
+    return [_allgather(t, f"{name}_{i}" if name else None) for i, t in enumerate(tensors)]
+
+
+_allgather_function = _one_function(_allgather_list)
+
+
+@_not_autograph
+def grouped_allgather(tensors: Sequence[TensorLike], name: str | None = None) -> list:
+    """allgather() of every tensor of `tensors`, submitted together; the results in order."""
+    basics.require_initialized("perseus_legacy.grouped_allgather()")
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if tensors and tf.executing_eagerly():
+        return _allgather_function(tensors, name)
+    return _allgather_list(tensors, name)
+
+
+def _broadcast(tensor: TensorLike, root_rank: int, name: str | None) -> tf.Tensor:
+    tensor_name, op_name = _names("PerseusBroadcast", name)
+    return _op_library().perseus_broadcast(tensor, root_rank=root_rank, tensor_name=tensor_name,
+                                           name=op_name)
+
+
 @_not_autograph
 def broadcast(tensor: TensorLike, root_rank: int, name: str | None = None) -> tf.Tensor:
     """Returns `root_rank`'s value of `tensor` on every rank (shapes must match)."""
     basics.require_initialized("perseus_legacy.broadcast()")
-    size = basics.size()
-    if not 0 <= int(root_rank) < size:
-        raise ValueError(f"broadcast root_rank {root_rank} is not a rank (size() is {size})")
-    tensor_name, op_name = _names("PerseusBroadcast", name)
-    return _op_library().perseus_broadcast(tensor, root_rank=int(root_rank),
-                                           tensor_name=tensor_name, name=op_name)
+    return _broadcast(tensor, basics.check_root(root_rank, "broadcast"), name)
+
+
+def _broadcast_list(values: list, root_rank: int, name: str | None) -> list:
+    return [_broadcast(value, root_rank, f"{name or 'broadcast'}_{i}")
+            for i, value in enumerate(values)]
+
+
+broadcast_function = _one_function(_broadcast_list)
+
+
+@_not_autograph
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None) -> list:
+    """Assigns `root_rank`'s value of every variable to it, in place; returns the new values.
+
+    Eagerly the broadcasts run at once (one fused round); in a graph the returned tensors
+    depend on the assignments.
+    """
+    basics.require_initialized("perseus_legacy.broadcast_()")
+    root_rank = basics.check_root(root_rank, "broadcast_")
+    variables = list(variables)
+    if not variables:
+        return []
+    if tf.executing_eagerly():
+        for var, value in zip(variables, broadcast_function(
+                [v.read_value() for v in variables], root_rank, name)):
+            var.assign(value)
+        return [var.read_value() for var in variables]
+    values = _broadcast_list([v.read_value() for v in variables], root_rank, name)
+    assigns = [var.assign(value) for var, value in zip(variables, values)]
+    with tf.control_dependencies(assigns):
+        return [var.read_value() for var in variables]
 
 
 @_not_autograph
 def alltoall(tensor: TensorLike, splits: TensorLike | Sequence[int] | None = None,
-             name: str | None = None) -> tuple:
-    """Sends `splits[r]` rows of `tensor` to rank r; returns `(received, received_splits)`.
+             name: str | None = None) -> Any:
+    """Sends `splits[r]` rows of `tensor` to rank r; returns the rows received.
 
     Rows go out in order: the first `splits[0]` to rank 0, the next `splits[1]` to rank 1, ...
-    Without `splits`, dimension 0 is divided evenly over the ranks. `received` holds the rows
-    from every rank in rank order; `received_splits[r]` is how many came from rank r (the same
-    integer dtype as `splits`, int32 by default). As in current Horovod, both are returned.
+    Without `splits`, dimension 0 is divided evenly over the ranks and only the received
+    tensor is returned (as in Horovod). With `splits`, the result is `(received,
+    received_splits)`: `received_splits[r]` is how many rows came from rank r (the dtype of
+    `splits`, int32 for a list). Received rows are in rank order.
     """
     basics.require_initialized("perseus_legacy.alltoall()")
     if splits is None:
-        splits = tf.constant([], dtype=tf.int32)
+        splits_tensor = tf.constant([], dtype=tf.int32)
     elif not isinstance(splits, (tf.Tensor, tf.Variable)):
-        splits = tf.constant(splits, dtype=tf.int32)
+        splits_tensor = tf.constant(splits, dtype=tf.int32)
+    else:
+        splits_tensor = splits
     tensor_name, op_name = _names("PerseusAlltoall", name)
     received, received_splits = _op_library().perseus_alltoall(
-        tensor, splits, tensor_name=tensor_name, name=op_name)
-    return received, received_splits
+        tensor, splits_tensor, tensor_name=tensor_name, name=op_name)
+    return received if splits is None else (received, received_splits)
 
 
-# Gradients. The loss is taken to be the sum of every rank's loss: each rank back-propagates its
-# own loss and the collectives of the backward pass add up the contributions of the other ranks.
+def _scatter_rows(rows: tf.Tensor, size: int, rank: int) -> tuple:
+    """(first row, row count) of `rank`'s part of `rows` rows: the first rows % size ranks get
+    one row more than the others (Horovod's split of uneven first dimensions)."""
+    rank = tf.constant(rank, rows.dtype)
+    base, extra = rows // size, rows % size
+    count = base + tf.cast(rank < extra, rows.dtype)
+    return rank * base + tf.minimum(rank, extra), count
+
+
+def _reducescatter_list(tensors: list, op: int, name: str | None, prescale_factor: float,
+                        postscale_factor: float) -> list:
+    size, rank = basics.size(), basics.rank()
+
+    @tf.custom_gradient
+    def reduce_then_scatter(*inputs):
+        if len(inputs) == 1:
+            reduced = [_allreduce_dense(inputs[0], op, name, prescale_factor, postscale_factor)]
+        else:
+            reduced = _grouped_dense(list(inputs), op, name, prescale_factor, postscale_factor)
+        parts = []
+        for value in reduced:
+            start, count = _scatter_rows(tf.shape(value, out_type=tf.int64)[0], size, rank)
+            parts.append(value[start:start + count])
+
+        def gradient(*grads):
+            # Horovod's gradient: the incoming gradient allgathered, times size() for Sum and
+            # the scale factors.
+            scale = float(prescale_factor) * float(postscale_factor) * (size if op == Sum else 1)
+            return [_allgather(g * tf.cast(scale, g.dtype) if scale != 1.0 else g, None)
+                    for g in grads]
+
+        return parts, gradient
+
+    return reduce_then_scatter(*tensors)
+
+
+def _check_scatter_op(op: int, what: str) -> int:
+    if _check_op(op) not in (Average, Sum):
+        raise ValueError(f"{what} supports op=Average and op=Sum, not {REDUCE_OP_NAMES[op]}")
+    return op
+
+
+@_not_autograph
+def reducescatter(tensor: TensorLike, device_dense: str = "", compression: Any = Compression.none,
+                  op: int = Average, name: str | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduces `tensor` over all ranks (Average or Sum) and returns this rank's rows of it.
+
+    Dimension 0 is split in rank order; when it is not a multiple of size(), the first
+    `rows % size()` ranks get one row more. Implemented as an allreduce followed by this rank's
+    slice (every rank moves the whole tensor; a native reduce-scatter would move 1/size() of
+    it). The gradient is Horovod's: the incoming gradient allgathered (times size() for Sum).
+    """
+    basics.require_initialized("perseus_legacy.reducescatter()")
+    op = _check_scatter_op(op, "reducescatter")
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    result = _reducescatter_list([compressed], op, name, prescale_factor, postscale_factor)[0]
+    return compression.decompress(result, ctx)
+
+
+@_not_autograph
+def grouped_reducescatter(tensors: Sequence[TensorLike], device_dense: str = "",
+                          compression: Any = Compression.none, op: int = Average,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          name: str | None = None) -> list:
+    """reducescatter() of every tensor of `tensors` in one fused reduction; results in order."""
+    basics.require_initialized("perseus_legacy.grouped_reducescatter()")
+    op = _check_scatter_op(op, "grouped_reducescatter")
+    if not tensors:
+        return []
+    compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    results = _reducescatter_list([c for c, _ in compressed], op, name, prescale_factor,
+                                  postscale_factor)
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
+
+
+# Graph-time queries: evaluated when the graph runs, as Horovod's *_op functions.
+
+def _query_op(query: Callable[[], int], name: str | None) -> tf.Tensor:
+    value = tf.numpy_function(lambda: np.int32(query()), [], tf.int32, stateful=True,
+                              name=name)
+    value.set_shape([])
+    return value
+
+
+def _global_set_only(process_set_id: int, what: str) -> None:
+    if int(process_set_id) != 0:
+        raise ValueError(f"{what}(process_set_id={process_set_id}): only the global process set "
+                         "(id 0) exists")
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: rank(), read when the op runs."""
+    return _query_op(basics.rank, name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: local_rank(), read when the op runs."""
+    return _query_op(basics.local_rank, name)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: size(), read when the op runs (global process set only)."""
+    _global_set_only(process_set_id, "size_op")
+    return _query_op(basics.size, name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: local_size(), read when the op runs."""
+    return _query_op(basics.local_size, name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """An int32 scalar tensor: 1 if this rank is in the process set (global set only: 1)."""
+    _global_set_only(process_set_id, "process_set_included_op")
+    return _query_op(lambda: int(basics.is_initialized()), name)
+
+
+# Gradients, as Horovod defines them: allreduce's is the same allreduce of the incoming gradient;
+# allgather's and broadcast's average the incoming gradient over the ranks (allgather's then
+# keeps this rank's rows, broadcast's is zero except on the root).
 
 @tf.RegisterGradient("PerseusAllreduce")
 def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
@@ -301,19 +525,19 @@ def _grouped_allreduce_grad(op: tf.Operation, *grads: tf.Tensor) -> list:
 
 @tf.RegisterGradient("PerseusAllgather")
 def _allgather_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
-    summed = _allreduce_dense(tf.convert_to_tensor(grad), Sum, None, 1.0, 1.0)
+    averaged = _allreduce_dense(tf.convert_to_tensor(grad), Average, None, 1.0, 1.0)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
     rows_per_rank = _allgather(rows, None)
-    return tf.split(summed, rows_per_rank, num=basics.size(), axis=0)[basics.rank()]
+    return tf.split(averaged, rows_per_rank, num=basics.size(), axis=0)[basics.rank()]
 
 
 @tf.RegisterGradient("PerseusBroadcast")
 def _broadcast_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
     # Every rank must take part in the reduction, even those whose own gradient is zero.
-    summed = _allreduce_dense(tf.convert_to_tensor(grad), Sum, None, 1.0, 1.0)
+    averaged = _allreduce_dense(tf.convert_to_tensor(grad), Average, None, 1.0, 1.0)
     if basics.rank() == op.get_attr("root_rank"):
-        return summed
-    with tf.control_dependencies([summed]):
+        return averaged
+    with tf.control_dependencies([averaged]):
         return tf.zeros_like(grad)
 
 

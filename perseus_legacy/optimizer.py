@@ -16,10 +16,11 @@ from perseus_legacy import basics, ops
 from perseus_legacy.basics import Average
 from perseus_legacy.compression import Compression
 from perseus_legacy.hooks import SyncReplicasHook
+from perseus_legacy.reduction import check_predivide, resolve_groups
 
 
 def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_dense: bool,
-                     prefix: str) -> Any:
+                     prefix: str, predivide: float = 1.0) -> Any:
     if grad is None:
         return None
     # Named after the variable: ranks agree on the name whatever order they build gradients in.
@@ -27,14 +28,15 @@ def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_d
     name = f"{prefix}_Allreduce_{var_name.split(':')[0]}"
     if isinstance(grad, tf.IndexedSlices) and sparse_as_dense:
         grad = tf.convert_to_tensor(grad)
+    # Average divides by size() itself; predivision splits that division around the sum.
+    scales = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
     if isinstance(grad, tf.IndexedSlices):
         values, ctx = compression.compress(grad.values)
         reduced = ops.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
-                                op=op, name=name)
+                                op=op, name=name, **scales)
         return tf.IndexedSlices(compression.decompress(reduced.values, ctx), reduced.indices,
                                 reduced.dense_shape)
-    compressed, ctx = compression.compress(grad)
-    return compression.decompress(ops.allreduce(compressed, op=op, name=name), ctx)
+    return ops.allreduce(grad, op=op, name=name, compression=compression, **scales)
 
 
 class _Accumulator:
@@ -125,14 +127,20 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     With `backward_passes_per_step=k > 1`, `compute_gradients` returns this rank's gradients
     and `apply_gradients` accumulates them, reducing and applying only every k-th call: the sum
     of the k passes, or their mean with `average_aggregated_gradients=True` (as in Horovod).
-    Every rank must build the same trainable variables (their names name the collectives).
+    `gradient_predivide_factor` f (op=Average only) scales gradients by 1/f before the sum and
+    f/size() after it. `groups`/`num_groups` are validated and otherwise ignored (each gradient
+    is one collective; the runtime fuses them); `device_dense`/`device_sparse` are ignored
+    (kernels run on the CPU). Every rank must build the same trainable variables (their names
+    name the collectives).
     """
 
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: str | None = None,
-                 use_locking: bool = False, compression: Any = Compression.none,
-                 sparse_as_dense: bool = False, op: int = Average,
-                 backward_passes_per_step: int = 1,
-                 average_aggregated_gradients: bool = False) -> None:
+                 use_locking: bool = False, device_dense: str = "", device_sparse: str = "",
+                 compression: Any = Compression.none, sparse_as_dense: bool = False,
+                 backward_passes_per_step: int = 1, op: int = Average,
+                 gradient_predivide_factor: float = 1.0,
+                 average_aggregated_gradients: bool = False, num_groups: int = 0,
+                 groups: Any = None) -> None:
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise TypeError(
                 "DistributedOptimizer wraps a tf.compat.v1.train.Optimizer, got "
@@ -140,7 +148,8 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         if int(backward_passes_per_step) < 1:
             raise ValueError(
                 f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        ops._check_op(op)
+        self._predivide = check_predivide(gradient_predivide_factor, op)
+        resolve_groups(num_groups, groups)  # validated; every gradient is its own collective
         if name is None:
             name = "Distributed" + type(optimizer).__name__
         super().__init__(use_locking=use_locking, name=name)
@@ -153,11 +162,11 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
 
     def _reduce(self, grads_and_vars: list) -> list:
         basics.require_initialized(f"{self._name}.compute_gradients()")
-        if basics.size() == 1 and self._reduce_op == Average:
+        if basics.size() == 1 and self._reduce_op == Average and self._predivide == 1.0:
             return grads_and_vars
         with tf.name_scope(self._name + "_Allreduce"):
             return [(_reduce_gradient(grad, var, self._reduce_op, self._compression,
-                                      self._sparse_as_dense, self._name), var)
+                                      self._sparse_as_dense, self._name, self._predivide), var)
                     for grad, var in grads_and_vars]
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:

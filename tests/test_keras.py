@@ -127,8 +127,14 @@ def test_distributed_optimizer_keeps_the_class_and_config_and_rejects_bad_argume
         assert wrapped.get_config() == plain.get_config()
         with pytest.raises(ValueError, match="already distributed"):
             hvd.DistributedOptimizer(wrapped)
-    with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
-        hvd.DistributedOptimizer(tf_keras.optimizers.SGD(), backward_passes_per_step=2)
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf_keras.optimizers.SGD(), backward_passes_per_step=0)
+    # Horovod's arguments are accepted (device placement is ignored: kernels run on the CPU).
+    hvd.DistributedOptimizer(tf_keras.optimizers.SGD(), device_dense="/gpu:0",
+                             device_sparse="/gpu:0", backward_passes_per_step=2,
+                             average_aggregated_gradients=True, num_groups=0, groups=2)
+    with pytest.raises(ValueError, match="op=Average and op=Sum"):
+        hvd.PartialDistributedOptimizer(tf_keras.optimizers.SGD(), op=hvd.Max)
     with pytest.raises(TypeError, match="perseus_legacy.DistributedOptimizer"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
     with pytest.raises(ValueError, match="gradient_predivide_factor needs op=Average"):

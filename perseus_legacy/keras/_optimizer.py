@@ -1,82 +1,105 @@
-"""DistributedOptimizer for tf-keras optimizers: gradients are reduced over all ranks."""
+"""DistributedOptimizer for Keras 2 optimizers: gradients are reduced over all ranks."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import tensorflow as tf
-import tf_keras
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average
+from perseus_legacy import basics
+from perseus_legacy.basics import Average, Sum
 from perseus_legacy.compression import Compression
+from perseus_legacy.gradient_tape import local_layer_variables
+from perseus_legacy.keras._keras import LEGACY_OPTIMIZER_CLASSES, OPTIMIZER_CLASSES, keras
+from perseus_legacy.reduction import GradientReducer, resolve_groups
 
-KERAS_OPTIMIZERS = (tf_keras.optimizers.Optimizer, tf_keras.optimizers.legacy.Optimizer)
+# Kept for code that imported it from here.
+KERAS_OPTIMIZERS = OPTIMIZER_CLASSES
 
 
-class GradientReducer:
-    """Reduces a list of (gradient, variable) pairs over all ranks with one grouped allreduce."""
+def build_optimizer(optimizer: Any, variables: list) -> None:
+    """Creates the optimizer's variables (slots) for `variables` if it has not yet."""
+    with tf.init_scope():
+        if isinstance(optimizer, LEGACY_OPTIMIZER_CLASSES):
+            optimizer._create_all_weights(variables)
+        elif not getattr(optimizer, "_built", False):
+            optimizer.build(variables)
 
-    def __init__(self, name: str, compression: Any = Compression.none,
-                 sparse_as_dense: bool = False, op: int = Average,
-                 gradient_predivide_factor: float = 1.0) -> None:
-        ops._check_op(op)
-        if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor needs op=Average, got "
-                             f"op={basics.REDUCE_OP_NAMES[op]}")
-        self.name = name
-        self.compression = compression
-        self.sparse_as_dense = sparse_as_dense
-        self.op = op
-        self.gradient_predivide_factor = float(gradient_predivide_factor)
 
-    def reduce(self, grads_and_vars: list) -> list:
-        """The same pairs, every gradient reduced over all ranks (None gradients stay None)."""
-        basics.require_initialized("DistributedOptimizer.apply_gradients()")
-        if (basics.size() == 1 and self.op == Average
-                and self.gradient_predivide_factor == 1.0):
-            return grads_and_vars
-        grads = [grad for grad, _ in grads_and_vars]
-        if self.sparse_as_dense:
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
-                     for g in grads]
-        # Average divides by size() itself; predivision splits that division around the sum.
-        prescale = 1.0 / self.gradient_predivide_factor
-        postscale = self.gradient_predivide_factor
-        with tf.name_scope(self.name):
-            dense = [i for i, g in enumerate(grads)
-                     if g is not None and not isinstance(g, tf.IndexedSlices)]
-            compressed = [self.compression.compress(grads[i]) for i in dense]
-            reduced = ops.grouped_allreduce([c for c, _ in compressed], op=self.op,
-                                            name=self.name, prescale_factor=prescale,
-                                            postscale_factor=postscale)
-            for i, (_, ctx), result in zip(dense, compressed, reduced):
-                grads[i] = self.compression.decompress(result, ctx)
-            for i, grad in enumerate(grads):
-                if isinstance(grad, tf.IndexedSlices):  # allgathered, stays sparse
-                    values, ctx = self.compression.compress(grad.values)
-                    result = ops.allreduce(
-                        tf.IndexedSlices(values, grad.indices, grad.dense_shape), op=self.op,
-                        name=f"{self.name}.sparse.{i}", prescale_factor=prescale,
-                        postscale_factor=postscale)
-                    grads[i] = tf.IndexedSlices(self.compression.decompress(result.values, ctx),
-                                                result.indices, result.dense_shape)
-        return [(grad, var) for grad, (_, var) in zip(grads, grads_and_vars)]
+class _Accumulation:
+    """This rank's sums of gradients over backward passes (a plain object: not checkpointed).
+
+    Sparse gradients are summed densely.
+    """
+
+    def __init__(self, passes: int, average: bool) -> None:
+        self.passes = passes
+        self.scale = 1.0 / passes if average else 1.0
+        self.sums: dict = {}
+        self.count = None
+
+    def add(self, grads_and_vars: list) -> tuple:
+        """Adds the pass's gradients; returns ([(sum, variable)], passes summed so far)."""
+        with tf.init_scope():
+            if self.count is None:
+                self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                         name="perseus_passes")
+            for _, var in grads_and_vars:
+                if var.ref() not in self.sums:
+                    self.sums[var.ref()] = tf.Variable(
+                        tf.zeros(var.shape, var.dtype.base_dtype), trainable=False,
+                        name="perseus_gradient_sum")
+        totals = [(self.sums[v.ref()].assign_add(tf.convert_to_tensor(g)), v)
+                  for g, v in grads_and_vars]
+        return totals, self.count.assign_add(1)
+
+    def clear(self) -> None:
+        """Zeroes the sums and the pass count."""
+        for total in self.sums.values():
+            total.assign(tf.zeros_like(total))
+        self.count.assign(0)
 
 
 class DistributedOptimizerMixin:
     """Reduces the gradients over all ranks at the start of `apply_gradients`.
 
     `Model.fit` (graph or eager), `minimize` and custom loops that call `apply_gradients` all
-    go through it; clipping and the update itself then see the reduced gradients.
+    go through it; clipping and the update itself then see the reduced gradients. With
+    backward_passes_per_step=k > 1, gradients are summed locally and reduced and applied on
+    every k-th call; `iterations` still advances on every call, as in Horovod.
     """
 
     _perseus_reducer: GradientReducer
+    _perseus_accumulation: _Accumulation | None = None
+
+    def register_local_var(self, var: Any) -> None:
+        """Keeps `var`'s gradient on this rank: not reduced, divided by size() (Horovod's
+        scale_local_gradients)."""
+        self._perseus_reducer.register_local(var)
 
     def apply_gradients(self, grads_and_vars: Any, *args: Any, **kwargs: Any) -> Any:
         """Reduces the gradients over all ranks, then applies them with the wrapped class."""
-        grads_and_vars = self._perseus_reducer.reduce(list(grads_and_vars))
-        return super().apply_gradients(grads_and_vars, *args, **kwargs)
+        pairs = [(g, v) for g, v in grads_and_vars if g is not None]
+        apply = super().apply_gradients  # type: ignore[misc]
+        accumulation = self._perseus_accumulation
+        if accumulation is None:
+            return apply(self._perseus_reducer.reduce(pairs), *args, **kwargs)
+        build_optimizer(self, [v for _, v in pairs])
+        totals, count = accumulation.add(pairs)
+
+        def reduce_and_apply() -> Any:
+            scale = accumulation.scale
+            scaled = [(t * tf.cast(scale, t.dtype) if scale != 1.0 else t, v) for t, v in totals]
+            apply(self._perseus_reducer.reduce(scaled), *args, **kwargs)
+            accumulation.clear()
+            return tf.identity(self.iterations)
+
+        def count_pass() -> Any:
+            self.iterations.assign_add(1)
+            return tf.identity(self.iterations)
+
+        return tf.cond(count >= accumulation.passes, reduce_and_apply, count_pass)
 
 
 _classes: dict = {}
@@ -86,7 +109,7 @@ def distributed_class(base: type) -> type:
     """The subclass of optimizer class `base` that reduces gradients (one per base class).
 
     It carries the base's name and module, so a saved model records the plain optimizer class
-    and loads with plain tf-keras too (load_model below re-wraps it).
+    and loads with plain Keras too (load_model below re-wraps it).
     """
     if issubclass(base, DistributedOptimizerMixin):
         return base
@@ -99,49 +122,82 @@ def distributed_class(base: type) -> type:
     return cls
 
 
-def _check_optimizer(optimizer: Any, backward_passes_per_step: int) -> None:
+def _check_optimizer(optimizer: Any) -> None:
     if isinstance(optimizer, DistributedOptimizerMixin):
         raise ValueError(f"{type(optimizer).__name__} optimizer is already distributed: wrap the "
                          "plain optimizer once")
-    if not isinstance(optimizer, KERAS_OPTIMIZERS):
+    if not isinstance(optimizer, OPTIMIZER_CLASSES):
         hint = ""
-        if type(optimizer).__module__.split(".")[0] == "keras":
+        package = sys.modules.get(type(optimizer).__module__.split(".")[0])
+        if package is not None and package.__name__ == "keras" and \
+                str(getattr(package, "__version__", "")).startswith("3."):
             hint = (" This is a Keras 3 optimizer: use tf-keras (`import tf_keras`, or "
                     "`import perseus_legacy` before tensorflow so tf.keras is tf-keras)")
         elif isinstance(optimizer, tf.compat.v1.train.Optimizer):
             hint = " For tf.compat.v1.train optimizers use perseus_legacy.DistributedOptimizer"
-        raise TypeError("perseus_legacy.keras.DistributedOptimizer wraps a tf-keras optimizer, "
+        raise TypeError("perseus_legacy.keras.DistributedOptimizer wraps a Keras 2 optimizer, "
                         f"got {type(optimizer).__module__}.{type(optimizer).__name__}.{hint}")
-    if int(backward_passes_per_step) != 1:
-        raise NotImplementedError(
-            f"DistributedOptimizer(backward_passes_per_step={backward_passes_per_step}): local "
-            "gradient accumulation is not implemented; use backward_passes_per_step=1 and a "
-            "larger batch")
+
+
+def _wrap(optimizer: Any, reducer: GradientReducer, passes: int = 1,
+          average_aggregated_gradients: bool = False) -> Any:
+    if int(passes) < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    wrapped = distributed_class(type(optimizer)).from_config(optimizer.get_config())
+    wrapped._perseus_reducer = reducer
+    if int(passes) > 1:
+        wrapped._perseus_accumulation = _Accumulation(int(passes), average_aggregated_gradients)
+    return wrapped
 
 
 def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 (Horovod's API)
+                         device_dense: str = "", device_sparse: str = "",
                          compression: Any = Compression.none, sparse_as_dense: bool = False,
-                         op: int = Average, backward_passes_per_step: int = 1,
-                         gradient_predivide_factor: float = 1.0) -> Any:
+                         gradient_predivide_factor: float = 1.0, op: int = Average,
+                         backward_passes_per_step: int = 1,
+                         average_aggregated_gradients: bool = False, num_groups: int = 0,
+                         groups: Any = None, scale_local_gradients: bool = True) -> Any:
     """A new optimizer of `optimizer`'s class and config whose gradients are reduced over ranks.
 
-    The result is an instance of (a subclass of) the same tf-keras optimizer class, built from
+    The result is an instance of (a subclass of) the same Keras optimizer class, built from
     `optimizer.get_config()`: pass it to `model.compile`. `name` names the collectives (default
     "Distributed" + class name), not the optimizer. Sparse gradients are allgathered and stay
-    sparse unless `sparse_as_dense=True`; `compression=Compression.fp16` sends float16.
+    sparse unless `sparse_as_dense=True`; `compression=Compression.fp16` sends float16. With
+    `backward_passes_per_step=k`, k passes are summed locally (averaged with
+    `average_aggregated_gradients`) before one reduction and update. `device_dense` and
+    `device_sparse` are ignored (kernels run on the CPU).
     """
-    _check_optimizer(optimizer, backward_passes_per_step)
-    wrapped = distributed_class(type(optimizer)).from_config(optimizer.get_config())
-    wrapped._perseus_reducer = GradientReducer(
-        name or "Distributed" + type(optimizer).__name__, compression, sparse_as_dense, op,
-        gradient_predivide_factor)
+    _check_optimizer(optimizer)
+    reducer = GradientReducer(name or "Distributed" + type(optimizer).__name__, compression,
+                              sparse_as_dense, op, gradient_predivide_factor,
+                              resolve_groups(num_groups, groups), scale_local_gradients)
+    return _wrap(optimizer, reducer, backward_passes_per_step, average_aggregated_gradients)
+
+
+def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802
+                                device_dense: str = "", device_sparse: str = "",
+                                compression: Any = Compression.none,
+                                sparse_as_dense: bool = False,
+                                gradient_predivide_factor: float = 1.0, op: int = Average,
+                                groups: Any = None, local_layers: Any = None,
+                                scale_local_gradients: bool = True) -> Any:
+    """DistributedOptimizer whose `local_layers`' gradients stay on this rank (divided by
+    size() with `scale_local_gradients`, as in Horovod). op must be Average or Sum."""
+    if op not in (Average, Sum):
+        raise ValueError(f"PartialDistributedOptimizer supports op=Average and op=Sum, not "
+                         f"{basics.REDUCE_OP_NAMES.get(op, op)}")
+    wrapped = DistributedOptimizer(optimizer, name, device_dense, device_sparse, compression,
+                                   sparse_as_dense, gradient_predivide_factor, op,
+                                   groups=groups, scale_local_gradients=scale_local_gradients)
+    for var in local_layer_variables(local_layers):
+        wrapped.register_local_var(var)
     return wrapped
 
 
 def make_distributed(optimizer: Any, compression: Any = Compression.none) -> Any:
     """Turns `optimizer` itself (with its variables and state) into a distributed one."""
     if not isinstance(optimizer, DistributedOptimizerMixin):
-        _check_optimizer(optimizer, 1)
+        _check_optimizer(optimizer)
     optimizer.__class__ = distributed_class(type(optimizer))
     optimizer._perseus_reducer = GradientReducer(
         "Distributed" + type(optimizer).__name__, compression)
@@ -151,15 +207,16 @@ def make_distributed(optimizer: Any, compression: Any = Compression.none) -> Any
 def load_model(filepath: str, custom_optimizers: list | None = None,
                custom_objects: dict | None = None, compression: Any = Compression.none,
                **kwargs: Any) -> Any:
-    """`tf_keras.models.load_model`, with the restored optimizer (state kept) made distributed.
+    """`keras.models.load_model`, with the restored optimizer (state kept) made distributed.
 
-    `custom_optimizers` lists optimizer classes the file names that tf-keras does not know;
-    other keyword arguments go to tf_keras.models.load_model.
+    `custom_optimizers` lists optimizer classes the file names that Keras does not know;
+    other keyword arguments go to load_model (Horovod's `legacy_opts` is accepted and unused).
     """
+    kwargs.pop("legacy_opts", None)
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
-    model = tf_keras.models.load_model(filepath, custom_objects=objects, **kwargs)
-    if isinstance(getattr(model, "optimizer", None), KERAS_OPTIMIZERS):
+    model = keras.models.load_model(filepath, custom_objects=objects, **kwargs)
+    if isinstance(getattr(model, "optimizer", None), OPTIMIZER_CLASSES):
         make_distributed(model.optimizer, compression)
     return model

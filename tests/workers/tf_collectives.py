@@ -120,9 +120,9 @@ def build_cases(rank: int, size: int) -> list:
                       (np.concatenate(received, axis=0), np.array(received_splits, np.int32))))
     # Even alltoall without splits, int64 splits.
     datas = [rank_data(r, (2 * size, 2), np.float32, seed=90) for r in everyone]
-    cases.append(("alltoall even, no splits", lambda x=datas[rank]: pl.alltoall(tf.constant(x)),
-                  (np.concatenate([d[2 * rank:2 * rank + 2] for d in datas]),
-                   np.full(size, 2, np.int32))))
+    cases.append(("alltoall even, no splits: the tensor alone",
+                  lambda x=datas[rank]: pl.alltoall(tf.constant(x)),
+                  np.concatenate([d[2 * rank:2 * rank + 2] for d in datas])))
     cases.append(("alltoall even, int64 splits",
                   lambda x=datas[rank]: pl.alltoall(
                       tf.constant(x), tf.constant([2] * size, tf.int64)),
@@ -237,7 +237,8 @@ def check_fusion_of_many_small(rank: int, size: int) -> None:
 
 
 def gradient_cases(rank: int, size: int) -> list:
-    """(label, forward(x) -> y, x, w, expected d(sum over ranks of sum(w*y))/dx on this rank)."""
+    """(label, forward(x) -> y, x, w, expected gradient of sum(w*y) w.r.t. x on this rank, as
+    Horovod defines it: w of every rank enters through the collectives of the backward pass)."""
     everyone = range(size)
     cases = []
     x = [rank_data(r, (2, 3), np.float32, seed=200) for r in everyone]
@@ -254,11 +255,13 @@ def gradient_cases(rank: int, size: int) -> list:
     rows = sum(a.shape[0] for a in xs)
     ws = [rank_data(r, (rows, 2), np.float32, seed=203) for r in everyone]
     start = sum(a.shape[0] for a in xs[:rank])
+    # Horovod's gradients: allgather's and broadcast's average the incoming gradient over ranks.
     cases.append(("allgather", pl.allgather, xs[rank], ws[rank],
-                  np.sum(ws, axis=0)[start:start + xs[rank].shape[0]]))
+                  np.mean(ws, axis=0)[start:start + xs[rank].shape[0]]))
+    mean_w = total_w / size
     for root in everyone:
         cases.append((f"broadcast root {root}", lambda t, root=root: pl.broadcast(t, root),
-                      x[rank], w[rank], total_w if rank == root else np.zeros_like(total_w)))
+                      x[rank], w[rank], mean_w if rank == root else np.zeros_like(mean_w)))
     splits = [alltoall_splits(r, size) for r in everyone]
     xa = [rank_data(r, (sum(splits[r]), 2), np.float32, seed=204) for r in everyone]
     wa = [rank_data(r, (sum(splits[k][r] for k in everyone), 2), np.float32, seed=205)

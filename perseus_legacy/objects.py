@@ -1,0 +1,88 @@
+"""Python objects sent between ranks: broadcast_object, allgather_object, broadcast_object_fn.
+
+Objects are pickled (with cloudpickle when it is installed, as Horovod does, else pickle) and
+sent as bytes by the native collectives, so they work eagerly, in a TF1 graph program and
+before any TensorFlow graph exists. Unpickling runs code chosen by the sender: use these only
+between ranks of one job you trust.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+from typing import Any, Callable
+
+import numpy as np
+
+from perseus_legacy import basics
+
+try:
+    import cloudpickle as _pickler
+except ImportError:
+    _pickler = pickle
+
+_counter = itertools.count()
+
+
+def _name(kind: str, name: str | None) -> str:
+    # Ranks that make the same sequence of calls agree on default names.
+    return f"PerseusObject/{name}" if name else f"PerseusObject/{kind}.{next(_counter)}"
+
+
+def _to_bytes(obj: Any) -> np.ndarray:
+    return np.frombuffer(_pickler.dumps(obj), dtype=np.uint8)
+
+
+def _from_bytes(data: np.ndarray) -> Any:
+    return pickle.loads(np.ascontiguousarray(data, dtype=np.uint8).tobytes())
+
+
+def _broadcast_bytes(obj: Any, root_rank: int, name: str) -> Any:
+    core = basics.core()
+    rank = basics.rank()
+    data = _to_bytes(obj) if rank == root_rank else np.zeros(0, np.uint8)
+    length = core.broadcast(np.array([data.size], np.int64), root_rank, f"{name}.size")
+    if rank != root_rank:
+        data = np.zeros(int(length[0]), np.uint8)
+    received = core.broadcast(data, root_rank, f"{name}.data")
+    return obj if rank == root_rank else _from_bytes(received)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
+                     name: str | None = None) -> Any:
+    """Returns `root_rank`'s `obj` on every rank (pickled: only between trusted ranks).
+
+    Every rank must call it; the other ranks' `obj` is ignored. `session` is accepted for
+    Horovod compatibility and not needed.
+    """
+    return _broadcast_bytes(obj, basics.check_root(root_rank, "broadcast_object"),
+                            _name("broadcast", name))
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None,
+                        name: str | None = None) -> Callable[[Any], Any]:
+    """A function `f(obj)` returning `root_rank`'s `obj` on every rank (pickled, trusted ranks).
+
+    Horovod builds placeholders and a Session for it; here it is broadcast_object with fixed
+    arguments, usable in any mode.
+    """
+    root_rank = basics.check_root(root_rank, "broadcast_object_fn")
+    base = _name("broadcast_fn", name)
+    calls = itertools.count()
+
+    def broadcast(obj: Any) -> Any:
+        return _broadcast_bytes(obj, root_rank, f"{base}.{next(calls)}")
+
+    return broadcast
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None) -> list:
+    """Every rank's `obj`, in rank order, on every rank (pickled: only between trusted ranks)."""
+    basics.require_initialized("allgather_object()")
+    core = basics.core()
+    name = _name("allgather", name)
+    data = _to_bytes(obj)
+    lengths = core.allgather(np.array([data.size], np.int64), f"{name}.sizes")
+    gathered = core.allgather(data, f"{name}.data")
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    return [_from_bytes(gathered[offsets[r]:offsets[r + 1]]) for r in range(len(lengths))]

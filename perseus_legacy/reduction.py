@@ -1,0 +1,138 @@
+"""GradientReducer: the gradient reduction DistributedGradientTape and the Keras optimizers share.
+
+One grouped allreduce per group of dense gradients (all of them by default, so the runtime fuses
+them), sparse gradients allgathered beside it, local variables' gradients kept on their rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import tensorflow as tf
+
+from perseus_legacy import basics, ops
+from perseus_legacy.basics import Average
+from perseus_legacy.compression import Compression
+
+
+def check_predivide(gradient_predivide_factor: float, op: int) -> float:
+    """The factor as a float; ValueError unless op is Average (Horovod's rule)."""
+    ops._check_op(op)
+    if float(gradient_predivide_factor) != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor needs op=Average, got "
+                         f"op={basics.REDUCE_OP_NAMES[op]}")
+    return float(gradient_predivide_factor)
+
+
+def resolve_groups(num_groups: int, groups: Any) -> Any:
+    """Horovod's `groups` (None, a count > 0, or lists of variables), from the deprecated
+    `num_groups` too."""
+    if num_groups:
+        warnings.warn("num_groups is deprecated, as in Horovod: pass groups=", DeprecationWarning,
+                      stacklevel=3)
+        groups = num_groups if groups is None else groups
+    if groups is not None and not isinstance(groups, list) and not int(groups) > 0:
+        raise ValueError(f"groups must be a count > 0 or a list of lists of variables, got "
+                         f"{groups!r}")
+    return groups
+
+
+class GradientReducer:
+    """Reduces (gradient, variable) pairs over all ranks.
+
+    Average divides by size() after the sum; `gradient_predivide_factor` f moves 1/f of it
+    before the sum (prescale 1/f, postscale f). `groups`: None (one fused reduction), a count
+    (the gradients split in that many contiguous groups) or lists of variables (one reduction
+    each; variables in no list alone). Gradients of variables given to `register_local` are not
+    reduced; with `scale_local_gradients` they are divided by size(), as in Horovod.
+    """
+
+    def __init__(self, name: str, compression: Any = Compression.none,
+                 sparse_as_dense: bool = False, op: int = Average,
+                 gradient_predivide_factor: float = 1.0, groups: Any = None,
+                 scale_local_gradients: bool = True) -> None:
+        self.name = name
+        self.compression = compression
+        self.sparse_as_dense = sparse_as_dense
+        self.op = op
+        self.gradient_predivide_factor = check_predivide(gradient_predivide_factor, op)
+        self.groups = resolve_groups(0, groups)
+        self.scale_local_gradients = scale_local_gradients
+        self.local: set = set()
+
+    def register_local(self, var: Any) -> None:
+        """Keeps `var`'s gradient on this rank (not reduced)."""
+        self.local.add(var.ref())
+
+    @tf.autograph.experimental.do_not_convert
+    def reduce(self, grads_and_vars: list) -> list:
+        """The same pairs, every gradient reduced over all ranks (None gradients stay None)."""
+        basics.require_initialized(f"{self.name}: reducing gradients")
+        grads = [grad for grad, _ in grads_and_vars]
+        variables = [var for _, var in grads_and_vars]
+        if self.sparse_as_dense:
+            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                     for g in grads]
+        size = basics.size()
+        shared = [i for i, (g, v) in enumerate(zip(grads, variables))
+                  if g is not None and v.ref() not in self.local]
+        if size > 1 or self.op != Average or self.gradient_predivide_factor != 1.0:
+            with tf.name_scope(self.name):
+                for k, group in enumerate(self._split(shared, variables)):
+                    name = self.name if k == 0 else f"{self.name}.group{k}"
+                    for i, result in zip(group, self._reduce_group([grads[i] for i in group],
+                                                                   name)):
+                        grads[i] = result
+        if self.scale_local_gradients and size > 1:
+            for i, (g, v) in enumerate(zip(grads, variables)):
+                if g is not None and v.ref() in self.local:
+                    grads[i] = _scaled(g, 1.0 / size)
+        return list(zip(grads, variables))
+
+    def _split(self, indices: list, variables: list) -> list:
+        if not indices:
+            return []
+        if self.groups is None:
+            return [indices]
+        if not isinstance(self.groups, list):
+            count = min(int(self.groups), len(indices))
+            per, extra = divmod(len(indices), count)
+            bounds = [k * per + min(k, extra) for k in range(count + 1)]
+            return [indices[bounds[k]:bounds[k + 1]] for k in range(count)]
+        position = {variables[i].ref(): i for i in indices}
+        split, placed = [], set()
+        for group in self.groups:
+            members = [position[v.ref()] for v in group
+                       if v.ref() in position and position[v.ref()] not in placed]
+            placed.update(members)
+            if members:
+                split.append(members)
+        return split + [[i] for i in indices if i not in placed]
+
+    def _reduce_group(self, grads: list, name: str) -> list:
+        prescale = 1.0 / self.gradient_predivide_factor
+        postscale = self.gradient_predivide_factor
+        dense = [k for k, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+        results = list(grads)
+        reduced = ops.grouped_allreduce([grads[k] for k in dense], op=self.op, name=name,
+                                        compression=self.compression,
+                                        prescale_factor=prescale, postscale_factor=postscale)
+        for k, result in zip(dense, reduced):
+            results[k] = result
+        for k, grad in enumerate(grads):
+            if isinstance(grad, tf.IndexedSlices):  # allgathered, stays sparse
+                values, ctx = self.compression.compress(grad.values)
+                result = ops.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
+                                       op=self.op, name=f"{name}.sparse.{k}",
+                                       prescale_factor=prescale, postscale_factor=postscale)
+                results[k] = tf.IndexedSlices(self.compression.decompress(result.values, ctx),
+                                              result.indices, result.dense_shape)
+        return results
+
+
+def _scaled(grad: Any, factor: float) -> Any:
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
+                                grad.dense_shape)
+    return grad * tf.cast(factor, grad.dtype)

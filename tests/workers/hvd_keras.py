@@ -1,0 +1,113 @@
+"""Runs on every rank: Horovod's Keras arguments and callbacks that perseus_legacy.keras added.
+
+backward_passes_per_step (summed and averaged) equals single-process fit on the global batch;
+PartialDistributedOptimizer and BroadcastGlobalVariablesCallback(local_variables) keep a local
+layer per rank; LearningRateScheduleCallback sets Horovod's staircase rates;
+BestModelCheckpoint saves on rank 0 only. argv[1]: a directory shared by the ranks.
+"""
+
+from __future__ import annotations  # noqa: I001
+
+import keras_common as kc
+from keras_common import hvd
+
+import os
+import sys
+
+import numpy as np
+
+from perseus_legacy.keras._keras import keras
+
+EPOCHS = 2
+
+
+def check_backward_passes(mode: str, average: bool) -> None:
+    case = f"backward_passes_per_step=2 average={average} {mode}"
+    m = kc.model(0)
+    initial = m.get_weights()
+    lr = 0.1
+    kc.compile_model(m, hvd.DistributedOptimizer(
+        keras.optimizers.SGD(lr), backward_passes_per_step=2,
+        average_aggregated_gradients=average), run_eagerly=mode == "eager")
+    inputs, y = kc.shard(*kc.data())
+    # Two passes of BATCH/2 rows per update: the rows of one global batch of BATCH * size().
+    m.fit(list(inputs), y, batch_size=kc.BATCH // 2, epochs=EPOCHS, shuffle=False, verbose=0)
+    kc.same_on_every_rank(case, m.get_weights())
+    if m.optimizer.iterations.numpy() != EPOCHS * len(y) // (kc.BATCH // 2):
+        kc.fail(f"{case}: iterations {m.optimizer.iterations.numpy()} do not count every pass")
+    if hvd.rank() == 0:
+        # Summed passes are twice the mean: the same as SGD with twice the rate.
+        reference_lr = lr if average else 2 * lr
+        expected = kc.reference_weights(initial, keras.optimizers.SGD(reference_lr), EPOCHS,
+                                        hvd.size())
+        for i, (got, want) in enumerate(zip(m.get_weights(), expected)):
+            if not np.allclose(got, want, rtol=1e-5, atol=1e-6):
+                kc.fail(f"{case}: weight {i} differs from single-process fit by "
+                        f"{np.abs(got - want).max()}")
+        print(f"{case}: same weights as single-process fit on the global batch", flush=True)
+    kc.barrier(case)
+
+
+def check_local_layer() -> None:
+    keras.utils.set_random_seed(100 + hvd.rank())  # every rank starts from other weights
+    shared = keras.layers.Dense(4, activation="tanh")
+    local = keras.layers.Dense(kc.CLASSES)
+    features = keras.Input((kc.FEATURES,))
+    m = keras.Model(features, local(shared(features)))
+    kc.compile_model(m, hvd.PartialDistributedOptimizer(keras.optimizers.SGD(0.1),
+                                                        local_layers=[local]))
+    (x, _), y = kc.shard(*kc.data())
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(
+        0, local_variables=local.trainable_weights)
+    m.fit(x, y, batch_size=kc.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
+    kc.same_on_every_rank("PartialDistributedOptimizer shared layer", shared.get_weights())
+    everyone = hvd.allgather(kc.flat(local.get_weights())[None, :]).numpy()
+    if np.allclose(everyone[0], everyone[1]):
+        kc.fail("PartialDistributedOptimizer: the local layer is the same on every rank")
+    print("local layer: shared weights equal, local weights per rank", flush=True)
+
+
+def check_schedule_and_best_checkpoint(shared_dir: str) -> None:
+    lrs = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(keras.backend.get_value(self.model.optimizer.learning_rate)))
+
+    m = kc.model(0)
+    kc.compile_model(m, hvd.DistributedOptimizer(keras.optimizers.legacy.SGD(0.3)))
+    inputs, y = kc.shard(*kc.data())
+    path = os.path.join(shared_dir, f"best-rank{hvd.rank()}.h5")
+    history = m.fit(list(inputs), y, batch_size=kc.BATCH, epochs=4, shuffle=False, verbose=0,
+                    validation_data=(list(inputs), y),
+                    callbacks=[hvd.callbacks.LearningRateScheduleCallback(
+                        0.2, 0.5, start_epoch=1, end_epoch=3),
+                        hvd.callbacks.MetricAverageCallback(),
+                        hvd.callbacks.BestModelCheckpoint(monitor="val_loss", filepath=path),
+                        Record()])
+    steps = len(y) // kc.BATCH
+    expected = [0.3] * steps + [0.2] * steps + [0.1] * (2 * steps)  # unchanged after epoch 3
+    if not np.allclose(lrs, expected):
+        kc.fail(f"LearningRateScheduleCallback rates {lrs}, expected {expected}")
+    if not np.allclose(history.history["lr"], [0.3, 0.2, 0.1, 0.1]):
+        kc.fail(f"logged lr {history.history['lr']}")
+    kc.barrier("best checkpoint")
+    saved = sorted(f for f in os.listdir(shared_dir) if f.startswith("best-"))
+    if saved != ["best-rank0.h5"]:
+        kc.fail(f"BestModelCheckpoint files {saved}, expected rank 0's only")
+    print("schedule and best checkpoint: ok", flush=True)
+
+
+def main() -> None:
+    hvd.init()
+    for mode in ("graph", "eager"):
+        check_backward_passes(mode, average=True)
+    check_backward_passes("graph", average=False)
+    check_local_layer()
+    check_schedule_and_best_checkpoint(sys.argv[1])
+    print(f"[rank {hvd.rank()}] OK", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
