@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "controller.h"
+#include "transport/controller.h"
 
 namespace perseus {
 
