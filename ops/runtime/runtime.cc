@@ -25,8 +25,6 @@
 #include "runtime/response_cache.h"
 #include "runtime/tensor_queue.h"
 #include "transport/controller.h"
-#include "transport/mpi_controller.h"
-#include "transport/tcp_controller.h"
 
 namespace perseus {
 namespace {
@@ -160,8 +158,8 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   Status s = ReadConfig(&config);
   if (!s.ok()) return s;
   std::unique_ptr<Controller> controller;
-  s = tcp ? TcpController::Create(*tcp, &controller)
-          : MpiController::Create(comm_handle, &controller);
+  s = tcp ? CreateTcpController(*tcp, &controller)
+          : CreateMpiController(comm_handle, &controller);
   if (!s.ok()) return s;
 
   config_ = config;

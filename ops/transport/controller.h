@@ -4,10 +4,12 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "runtime/common.h"
+#include "runtime/runtime.h"
 
 namespace perseus {
 
@@ -47,5 +49,14 @@ class Controller {
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
 };
+
+// The transports. Each connects this rank to every other one and waits for all of them
+// (collective), then hands over the ready controller.
+// MPI (mpi_controller.cc): initializes MPI when nobody has (and then finalizes it on
+// destruction) and duplicates the communicator `comm_handle` (0: MPI_COMM_WORLD).
+Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
+// TCP (tcp_rendezvous.cc): listens on options.addresses[options.rank] and meets every other rank
+// within options.start_timeout_secs.
+Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
 
 }  // namespace perseus

@@ -108,7 +108,7 @@ MpiController::MpiController() {
   bfloat16_ops_.fill(MPI_OP_NULL);
 }
 
-Status MpiController::Create(intptr_t comm_handle, std::unique_ptr<Controller>* out) {
+Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out) {
   auto controller = std::make_unique<MpiController>();
   Status s = controller->Setup(comm_handle);
   if (s.ok()) *out = std::move(controller);

@@ -29,9 +29,7 @@ namespace perseus {
 
 class TcpController : public Controller {
  public:
-  // Listens on options.addresses[options.rank], meets every other rank and waits for all of
-  // them (at most options.start_timeout_secs). Collective.
-  static Status Create(const TcpOptions& options, std::unique_ptr<Controller>* out);
+  // Unconnected: CreateTcpController (controller.h) meets the other ranks.
   explicit TcpController(const TcpOptions& options);
   // Closes every connection gracefully (see the definition).
   ~TcpController() override;
@@ -84,6 +82,7 @@ class TcpController : public Controller {
   };
   enum class Pumped { kOk, kAbort, kClosed };
 
+  friend Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
   Status Rendezvous();
   void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
                   std::string* last_error);

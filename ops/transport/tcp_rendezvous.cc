@@ -139,7 +139,7 @@ void Log(int rank, const std::string& text) {
 
 }  // namespace
 
-Status TcpController::Create(const TcpOptions& options, std::unique_ptr<Controller>* out) {
+Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out) {
   const int size = static_cast<int>(options.addresses.size());
   if (size < 1 || options.rank < 0 || options.rank >= size) {
     return Status::Error("perseus_legacy: TCP rank " + std::to_string(options.rank) +
