@@ -16,9 +16,9 @@
 #include <utility>
 #include <vector>
 
-#include "common/common.h"
-#include "common/runtime.h"
-#include "common/tcp_auth.h"
+#include "runtime/common.h"
+#include "runtime/runtime.h"
+#include "transport/tcp_auth.h"
 
 namespace py = pybind11;
 

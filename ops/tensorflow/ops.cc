@@ -7,7 +7,7 @@
 // on communication, so independent collectives of one step are all in flight together and the
 // runtime can fuse them.
 //
-// No algorithm lives here: reduction, scaling, fusion and negotiation belong to ops/common.
+// No algorithm lives here: reduction, scaling, fusion and negotiation belong to ops/runtime.
 
 #include <cstdint>
 #include <memory>
@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/common.h"
-#include "common/runtime.h"
+#include "runtime/common.h"
+#include "runtime/runtime.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"

@@ -1,7 +1,9 @@
-// Framework-agnostic types shared by the runtime and every framework glue.
+// Framework-agnostic types shared by the runtime, the transports and every framework glue, and
+// the few text helpers their error messages share.
 // No TensorFlow, pybind11 or MPI header may be included here.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -44,6 +46,15 @@ const char* ReduceOpName(ReduceOp op);
 const char* CollectiveTypeName(CollectiveType type);
 std::string ShapeString(const std::vector<int64_t>& shape);
 int64_t NumElements(const std::vector<int64_t>& shape);
+
+// How error messages name things: "[0, 2]", a number with up to 12 significant digits, and
+// `allreduce "grad/w"`.
+std::string RankList(const std::vector<int>& ranks);
+std::string NumberString(double value);
+std::string Quoted(CollectiveType type, const std::string& name);
+
+// The clock of the runtime's waits and of the coordinator's stall checks.
+using Clock = std::chrono::steady_clock;
 
 // An error is a value with its context; ok() when message is empty.
 class Status {

@@ -1,4 +1,5 @@
-#include "message.h"
+// Serialize / Deserialize of the negotiation messages: the one wire format of the control plane.
+#include "runtime/message.h"
 
 #include <cstring>
 #include <type_traits>

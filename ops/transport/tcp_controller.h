@@ -1,15 +1,17 @@
 // The Controller over TCP, for jobs launched without MPI (TF_CONFIG, `perseusrun --tcp`).
 //
-// Start-up: every rank listens on its own address; each rank dials every lower rank once (the
-// data mesh) and rank 0 once more (the control star). Each connection proves the job secret
-// both ways (HMAC-SHA-256 challenge / response); a connection that fails is logged on the
-// listening rank and dropped. Ranks that do not arrive within the start timeout are listed.
-// Control plane: length-prefixed frames between rank 0 and each rank (negotiation messages, and
-// abort notices that carry the first failure to every rank). Data plane: raw bytes between
-// pairs, moved by one nonblocking engine: ring allreduce (reduce-scatter then allgather,
-// chunked, so receiving, reducing and sending overlap), ring allgatherv, pipelined chain
-// broadcast, pairwise alltoallv. A closed socket, an abort notice or a peer silent for
-// kPeerSilenceSecs fails the operation on every rank with an error naming the peer.
+// Start-up (tcp_rendezvous.cc): every rank listens on its own address; each rank dials every
+// lower rank once (the data mesh) and rank 0 once more (the control star). Each connection proves
+// the job secret both ways (HMAC-SHA-256 challenge / response, tcp_auth.h); a connection that
+// fails is logged on the listening rank and dropped. Ranks that do not arrive within the start
+// timeout are listed.
+// Control plane (tcp_control.cc): length-prefixed frames between rank 0 and each rank
+// (negotiation messages, and abort notices that carry the first failure to every rank).
+// Data plane (tcp_ring.cc): raw bytes between pairs, moved by one nonblocking engine: ring
+// allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
+// overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv. A closed socket, an
+// abort notice or a peer silent for kPeerSilenceSecs fails the operation on every rank with an
+// error naming the peer.
 #pragma once
 
 #include <atomic>
@@ -19,36 +21,15 @@
 #include <string>
 #include <vector>
 
-#include "controller.h"
-#include "runtime.h"
+#include "runtime/runtime.h"
+#include "transport/controller.h"
+#include "transport/tcp_socket.h"
 
 namespace perseus {
 
-// Owns one file descriptor; closes it on destruction.
-class Socket {
- public:
-  Socket() = default;
-  explicit Socket(int fd) : fd_(fd) {}
-  ~Socket() { Close(); }
-  Socket(Socket&& other) noexcept : fd_(other.Release()) {}
-  Socket& operator=(Socket&& other) noexcept;
-  Socket(const Socket&) = delete;
-  Socket& operator=(const Socket&) = delete;
-
-  int fd() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int Release();
-  void Close();
-
- private:
-  int fd_ = -1;
-};
-
 class TcpController : public Controller {
  public:
-  // Listens on options.addresses[options.rank], meets every other rank and waits for all of
-  // them (at most options.start_timeout_secs). Collective.
-  static Status Create(const TcpOptions& options, std::unique_ptr<Controller>* out);
+  // Unconnected: CreateTcpController (controller.h) meets the other ranks.
   explicit TcpController(const TcpOptions& options);
   // Closes every connection gracefully (see the definition).
   ~TcpController() override;
@@ -101,6 +82,7 @@ class TcpController : public Controller {
   };
   enum class Pumped { kOk, kAbort, kClosed };
 
+  friend Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
   Status Rendezvous();
   void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
                   std::string* last_error);
@@ -113,6 +95,8 @@ class TcpController : public Controller {
   // (what a ring forwards is what it just received); lag < 0: sends never wait.
   Status Stream(int send_peer, const std::vector<Piece>& sends, int recv_peer,
                 const std::vector<Piece>& recvs, int lag, const Reduction* reduction);
+  // Queues `message` for `peer`'s control connection; ControlExchange sends it.
+  void QueueMessage(int peer, const std::string& message);
   // Flushes every outbox and waits until each of `await_from` has a control message queued.
   Status ControlExchange(const std::vector<int>& await_from, double limit_secs);
   Pumped Pump(int peer, std::string* text);

@@ -1,4 +1,6 @@
-#include "mpi_controller.h"
+// The MPI transport: set-up of its communicators, the control plane in fixed-size slots, and
+// the collectives, with our own reduction functions for float16 / bfloat16.
+#include "transport/mpi_controller.h"
 
 #include <algorithm>
 #include <chrono>
@@ -7,7 +9,7 @@
 #include <thread>
 #include <type_traits>
 
-#include "reduce.h"
+#include "runtime/reduce.h"
 
 namespace perseus {
 namespace {
@@ -106,7 +108,7 @@ MpiController::MpiController() {
   bfloat16_ops_.fill(MPI_OP_NULL);
 }
 
-Status MpiController::Create(intptr_t comm_handle, std::unique_ptr<Controller>* out) {
+Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out) {
   auto controller = std::make_unique<MpiController>();
   Status s = controller->Setup(comm_handle);
   if (s.ok()) *out = std::move(controller);

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "common.h"
+#include "runtime/common.h"
 
 namespace perseus {
 

@@ -1,4 +1,5 @@
-#include "tcp_auth.h"
+// SHA-256, HMAC-SHA-256 and nonces for the TCP handshake (tcp_rendezvous.cc).
+#include "transport/tcp_auth.h"
 
 #include <sys/random.h>
 

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include "runtime/common.h"
 
 namespace perseus {
 
@@ -21,7 +21,8 @@ namespace perseus {
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
 Status Init(intptr_t mpi_comm_handle);
 
-// Where the TCP controller's ranks meet (see tcp_controller.h); the launcher side computes it.
+// Where the TCP controller's ranks meet (see transport/tcp_controller.h); the launcher side
+// computes it.
 struct TcpOptions {
   int rank = 0;
   std::vector<std::string> addresses;  // "host:port" of every rank, in rank order

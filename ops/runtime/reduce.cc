@@ -1,4 +1,5 @@
-#include "reduce.h"
+// The reduction and scaling loops of reduce.h, and the 16-bit float conversions.
+#include "runtime/reduce.h"
 
 #include <algorithm>
 #include <cmath>

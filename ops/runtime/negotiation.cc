@@ -1,27 +1,14 @@
-#include "controller.h"
+// The Coordinator: rank 0's side of every negotiation round (see negotiation.h).
+#include "runtime/negotiation.h"
 
 #include <algorithm>
-#include <cstring>
 #include <sstream>
 #include <tuple>
 
+#include "runtime/fusion.h"
+
 namespace perseus {
 namespace {
-
-std::string RankList(const std::vector<int>& ranks) {
-  std::ostringstream out;
-  out << '[';
-  for (size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
-  out << ']';
-  return out.str();
-}
-
-std::string Number(double value) {
-  std::ostringstream out;
-  out.precision(12);
-  out << value;
-  return out.str();
-}
 
 std::vector<int64_t> TrailingDims(const std::vector<int64_t>& shape) {
   return shape.empty() ? shape : std::vector<int64_t>(shape.begin() + 1, shape.end());
@@ -52,10 +39,6 @@ std::string Mismatch(const std::vector<RequestMeta>& metas, const std::vector<in
   return out.str();
 }
 
-std::string Describe(CollectiveType type, const std::string& name) {
-  return std::string(CollectiveTypeName(type)) + " \"" + name + "\"";
-}
-
 // The common case, checked without formatting any text: every rank in `present` sent the same
 // request (up to the first dimension, which allgather and alltoall allow to differ).
 bool AllAgree(const std::vector<RequestMeta>& metas, const std::vector<int>& present) {
@@ -79,9 +62,30 @@ bool AllAgree(const std::vector<RequestMeta>& metas, const std::vector<int>& pre
 }  // namespace
 
 Coordinator::Coordinator(CoordinatorOptions options)
-    : options_(options), joined_(options.size, false) {}
+    : options_(options),
+      stall_inspector_(options.size, options.stall_warning_secs, options.stall_shutdown_secs),
+      joined_(options.size, false) {}
 
-bool Coordinator::Ready(const Pending& p) const {
+ResponseList Coordinator::Answer(const std::vector<std::string>& gathered,
+                                 std::string* stall_warning) {
+  const auto now = Clock::now();
+  ResponseList plan;
+  for (int r = 0; r < options_.size; ++r) {
+    RequestList list;
+    if (!Deserialize(gathered[r], &list)) {
+      Response fatal;
+      fatal.type = ResponseType::kFatal;
+      fatal.error = "perseus_legacy: the coordinator received a malformed message from rank " +
+                    std::to_string(r);
+      plan.responses = {fatal};
+      return plan;
+    }
+    Add(r, list, now);
+  }
+  return Plan(now, stall_warning);
+}
+
+bool Coordinator::Ready(const PendingTensor& p) const {
   if (p.count == options_.size) return true;
   if (joined_count_ == 0) return false;
   for (int r = 0; r < options_.size; ++r) {
@@ -90,7 +94,7 @@ bool Coordinator::Ready(const Pending& p) const {
   return true;
 }
 
-void Coordinator::MarkReady(const std::string& name, Pending* p) {
+void Coordinator::MarkReady(const std::string& name, PendingTensor* p) {
   p->ready = true;
   ready_.push_back(name);
 }
@@ -99,7 +103,7 @@ void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) 
   if (list.shutting_down) shutting_down_.push_back(rank);
   announced_ = announced_ || !list.requests.empty() || list.joined;
   for (const RequestMeta& meta : list.requests) {
-    Pending& p = table_[meta.name];
+    PendingTensor& p = table_[meta.name];
     if (p.per_rank.empty()) {
       p.per_rank.resize(options_.size);
       p.submitted.assign(options_.size, false);
@@ -119,7 +123,7 @@ void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) 
   }
 }
 
-Response Coordinator::Validate(const std::string& name, const Pending& p) const {
+Response Coordinator::Validate(const std::string& name, const PendingTensor& p) const {
   const std::vector<RequestMeta>& metas = p.per_rank;
   std::vector<int> present, joined;
   for (int r = 0; r < options_.size; ++r) (p.submitted[r] ? present : joined).push_back(r);
@@ -128,7 +132,7 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) const 
   error.type = ResponseType::kError;
   error.names = {name};
   auto fail = [&](const std::string& what) {
-    error.error = "perseus_legacy: " + Describe(first.type, name) + ": " + what;
+    error.error = "perseus_legacy: " + Quoted(first.type, name) + ": " + what;
     return error;
   };
 
@@ -177,11 +181,11 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) const 
                      [](const RequestMeta& r) { return ReduceOpName(r.reduce_op); });
         if (m.empty()) {
           m = Mismatch(metas, present, "prescale_factor",
-                       [](const RequestMeta& r) { return Number(r.prescale_factor); });
+                       [](const RequestMeta& r) { return NumberString(r.prescale_factor); });
         }
         if (m.empty()) {
           m = Mismatch(metas, present, "postscale_factor",
-                       [](const RequestMeta& r) { return Number(r.postscale_factor); });
+                       [](const RequestMeta& r) { return NumberString(r.postscale_factor); });
         }
         if (m.empty()) m = Mismatch(metas, present, "shape", shape_of);
         if (!m.empty()) return fail(m);
@@ -271,148 +275,6 @@ Response Coordinator::Validate(const std::string& name, const Pending& p) const 
   return fail("unknown collective type");
 }
 
-void ResponseFuser::Add(Response response, int64_t bytes) {
-  if (response.type != ResponseType::kAllreduce) {
-    out_->push_back(std::move(response));
-    return;
-  }
-  // Allreduces reduce identically, and may share one buffer, when these agree (the last: the
-  // joined ranks that take part without data, which also sets an Average's divisor).
-  Key key{response.dtype, response.reduce_op, response.prescale_factor,
-          response.postscale_factor, response.joined_ranks};
-  auto it = open_.find(key);
-  if (it != open_.end() && it->second.second + bytes <= threshold_bytes_) {
-    Response& fused = (*out_)[it->second.first];
-    fused.names.push_back(response.names.front());
-    fused.sizes.insert(fused.sizes.end(), response.sizes.begin(), response.sizes.end());
-    it->second.second += bytes;
-    return;
-  }
-  out_->push_back(std::move(response));
-  open_[std::move(key)] = {out_->size() - 1, bytes};
-}
-
-void ResponseCache::Clear() {
-  entries_.clear();
-  slot_of_.clear();
-  recency_.clear();
-  free_.clear();
-}
-
-int64_t ResponseCache::Find(const std::string& name) const {
-  auto it = slot_of_.find(name);
-  return it == slot_of_.end() ? kMiss : static_cast<int64_t>(it->second);
-}
-
-void ResponseCache::Put(Response response, const RequestMeta& mine) {
-  if (capacity_ == 0) return;
-  auto found = slot_of_.find(mine.name);
-  if (found != slot_of_.end()) Erase(found->second);
-  if (free_.empty() && entries_.size() >= capacity_) Erase(recency_.back());
-  size_t slot;
-  if (!free_.empty()) {
-    slot = free_.back();
-    free_.pop_back();
-  } else {
-    slot = entries_.size();
-    entries_.emplace_back();
-  }
-  Entry& e = entries_[slot];
-  e.response = std::move(response);
-  e.mine = mine;
-  e.used = true;
-  recency_.push_front(slot);
-  e.recency = recency_.begin();
-  slot_of_[mine.name] = slot;
-}
-
-void ResponseCache::Touch(size_t slot) {
-  recency_.splice(recency_.begin(), recency_, entries_[slot].recency);
-}
-
-void ResponseCache::Erase(size_t slot) {
-  Entry& e = entries_[slot];
-  if (!e.used) return;
-  slot_of_.erase(e.mine.name);
-  recency_.erase(e.recency);
-  e = Entry();
-  free_.push_back(slot);
-}
-
-Status Controller::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
-  std::string mine(reinterpret_cast<const char*>(bits->data()), bits->size() * sizeof(uint64_t));
-  std::vector<std::string> all;
-  Status s = GatherToCoordinator(mine, &all);
-  if (!s.ok()) return s;
-  if (rank() == 0) {
-    for (const std::string& other : all) {
-      if (other.size() != mine.size()) return Status::Error("bit vectors of different lengths");
-      for (size_t i = 0; i < bits->size(); ++i) {
-        uint64_t word;
-        std::memcpy(&word, other.data() + i * sizeof(uint64_t), sizeof(word));
-        (*bits)[i] &= word;
-      }
-    }
-    mine.assign(reinterpret_cast<const char*>(bits->data()), mine.size());
-  }
-  s = BroadcastFromCoordinator(&mine);
-  if (!s.ok()) return s;
-  if (mine.size() != bits->size() * sizeof(uint64_t)) {
-    return Status::Error("malformed bit vector from the coordinator");
-  }
-  std::memcpy(bits->data(), mine.data(), mine.size());
-  return Status::OK();
-}
-
-std::string Coordinator::StallCheck(Clock::time_point now, std::vector<Response>* errors) {
-  std::vector<std::string> lines;
-  for (auto it = table_.begin(); it != table_.end();) {
-    Pending& p = it->second;
-    const double age = std::chrono::duration<double>(now - p.first_seen).count();
-    std::vector<int> missing, present;
-    for (int r = 0; r < options_.size; ++r) {
-      if (p.submitted[r]) {
-        present.push_back(r);
-      } else if (!joined_[r]) {
-        missing.push_back(r);
-      }
-    }
-    const RequestMeta& meta = p.per_rank[present.front()];
-    const std::string what = Describe(meta.type, it->first);
-    if (options_.stall_shutdown_secs > 0 && age >= options_.stall_shutdown_secs) {
-      Response error;
-      error.type = ResponseType::kError;
-      error.names = {it->first};
-      error.error = "perseus_legacy: " + what + " was submitted by ranks " +
-                    RankList(present) + " but not by ranks " + RankList(missing) + " for " +
-                    Number(age) + " s (PERSEUS_STALL_SHUTDOWN_SECS=" +
-                    Number(options_.stall_shutdown_secs) + "); giving up on it";
-      errors->push_back(std::move(error));
-      it = table_.erase(it);
-      continue;
-    }
-    const double since_warned = std::chrono::duration<double>(now - p.last_warned).count();
-    if (options_.stall_warning_secs > 0 && age >= options_.stall_warning_secs &&
-        (!p.warned || since_warned >= options_.stall_warning_secs)) {
-      p.warned = true;
-      p.last_warned = now;
-      lines.push_back("  " + what + ": missing ranks " + RankList(missing) +
-                      " (submitted by ranks " + RankList(present) + ", waiting " +
-                      Number(static_cast<int64_t>(age)) + " s)");
-    }
-    ++it;
-  }
-  if (lines.empty()) return "";
-  std::sort(lines.begin(), lines.end());
-  std::string text =
-      "WARNING: these tensors were submitted by some ranks but not by others for more than " +
-      Number(options_.stall_warning_secs) +
-      " s (PERSEUS_STALL_WARNING_SECS); a rank may be stuck, slower, or running a different "
-      "graph:";
-  for (const std::string& line : lines) text += "\n" + line;
-  return text;
-}
-
 ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning) {
   if (join_changed_) {
     // Tensors waiting only on ranks that have now joined run now, oldest first.
@@ -428,7 +290,7 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
   ResponseFuser fuser(options_.fusion_threshold_bytes, &list.responses);
   for (const std::string& name : ready_) {
     auto node = table_.extract(name);
-    const Pending& p = node.mapped();
+    const PendingTensor& p = node.mapped();
     const auto first = std::find(p.submitted.begin(), p.submitted.end(), true);
     const RequestMeta& meta = p.per_rank[first - p.submitted.begin()];
     fuser.Add(Validate(name, p),
@@ -436,7 +298,7 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
   }
   ready_.clear();
 
-  *stall_warning = StallCheck(now, &list.responses);
+  *stall_warning = stall_inspector_.Check(now, joined_, &table_, &list.responses);
   list.progress = announced_ || !list.responses.empty();
   announced_ = false;
 

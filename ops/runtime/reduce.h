@@ -7,7 +7,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "common.h"
+#include "runtime/common.h"
 
 namespace perseus {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
+#include "runtime/common.h"
 
 namespace perseus {
 

@@ -1,4 +1,5 @@
-#include "common.h"
+// Names and sizes of the enums in common.h, and the text helpers of error messages.
+#include "runtime/common.h"
 
 #include <sstream>
 
@@ -71,6 +72,21 @@ int64_t NumElements(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   return n;
+}
+
+std::string RankList(const std::vector<int>& ranks) {
+  return ShapeString(std::vector<int64_t>(ranks.begin(), ranks.end()));
+}
+
+std::string NumberString(double value) {
+  std::ostringstream out;
+  out.precision(12);
+  out << value;
+  return out.str();
+}
+
+std::string Quoted(CollectiveType type, const std::string& name) {
+  return std::string(CollectiveTypeName(type)) + " \"" + name + "\"";
 }
 
 }  // namespace perseus

@@ -10,16 +10,13 @@
 #include <string>
 #include <vector>
 
-#include "controller.h"
+#include "transport/controller.h"
 
 namespace perseus {
 
 class MpiController : public Controller {
  public:
-  MpiController();
-  // Initializes MPI when nobody has (and then finalizes it on destruction), duplicates the
-  // communicator `comm_handle` (0: MPI_COMM_WORLD) and waits for every rank. Collective.
-  static Status Create(intptr_t comm_handle, std::unique_ptr<Controller>* out);
+  MpiController();  // unconnected: CreateMpiController (controller.h) sets it up
   ~MpiController() override;
 
   MpiController(const MpiController&) = delete;
@@ -48,6 +45,7 @@ class MpiController : public Controller {
   Status Barrier() override;
 
  private:
+  friend Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
   Status Setup(intptr_t comm_handle);
   Status Wait(MPI_Request* request, const char* what);
   MPI_Datatype Type(DataType dtype) const;

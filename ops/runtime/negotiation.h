@@ -1,0 +1,75 @@
+// Negotiation on the coordinator (rank 0): which tensors every rank has submitted, whether they
+// agree, in which order and fused how they run. Each round, every rank sends its RequestList
+// over the control plane; the Coordinator turns them into one ResponseList that every rank
+// executes in order. Tensors that some ranks never submit are the StallInspector's.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "runtime/common.h"
+#include "runtime/message.h"
+#include "runtime/stall_inspector.h"
+
+namespace perseus {
+
+struct CoordinatorOptions {
+  int size = 1;
+  int64_t fusion_threshold_bytes = 64 << 20;
+  double stall_warning_secs = 60.0;   // <= 0: never warn
+  double stall_shutdown_secs = 0.0;   // <= 0: never fail a stalled tensor
+};
+
+// A tensor some ranks have submitted, not yet run.
+struct PendingTensor {
+  std::vector<RequestMeta> per_rank;  // indexed by rank, valid where submitted[rank]
+  std::vector<bool> submitted;
+  int count = 0;
+  bool ready = false;  // listed in the coordinator's ready list
+  Clock::time_point first_seen;
+  // The stall inspector's: when it last warned about this tensor.
+  Clock::time_point last_warned;
+  bool warned = false;
+};
+
+class Coordinator {
+ public:
+  explicit Coordinator(CoordinatorOptions options);
+
+  // The answer to a round, from every rank's serialized RequestList (`gathered`, in rank order):
+  // Add for each, then Plan; a fatal response when a message is malformed.
+  // `stall_warning` receives text for rank 0's stderr when tensors wait on missing ranks.
+  ResponseList Answer(const std::vector<std::string>& gathered, std::string* stall_warning);
+
+  // Records what `rank` announced in this round.
+  void Add(int rank, const RequestList& list, Clock::time_point now);
+
+  // The round's answer: every tensor that became ready on all ranks (a rank that joined counts
+  // as ready for every tensor), in the order it became ready, validated and with compatible
+  // allreduces fused; errors for tensors stalled beyond the shutdown limit; a kJoin once every
+  // rank has joined; and a final kShutdown when any rank is shutting down.
+  ResponseList Plan(Clock::time_point now, std::string* stall_warning);
+
+  // Whether tensors wait in the table (their stall checks need rounds through the coordinator).
+  bool has_pending() const { return !table_.empty(); }
+
+ private:
+  bool Ready(const PendingTensor& p) const;
+  void MarkReady(const std::string& name, PendingTensor* p);
+  Response Validate(const std::string& name, const PendingTensor& p) const;
+
+  CoordinatorOptions options_;
+  StallInspector stall_inspector_;
+  std::unordered_map<std::string, PendingTensor> table_;
+  std::vector<std::string> ready_;       // names that became ready this round, in order
+  std::vector<int> shutting_down_;       // ranks that asked to shut down this round
+  bool announced_ = false;               // whether any rank announced a request this round
+  std::vector<bool> joined_;             // ranks that called join() and wait for the others
+  int joined_count_ = 0;
+  int last_joined_ = -1;
+  bool join_changed_ = false;            // a rank joined this round: pending tensors may be ready
+};
+
+}  // namespace perseus

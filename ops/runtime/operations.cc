@@ -1,0 +1,214 @@
+// Operations: each collective of a negotiated response, run on this rank (see operations.h).
+#include "runtime/operations.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "runtime/reduce.h"
+
+namespace perseus {
+namespace {
+
+void CopyBytes(void* dst, const void* src, size_t bytes) {
+  if (bytes > 0 && dst != src) std::memcpy(dst, src, bytes);
+}
+
+// What a joined rank contributes to an allreduce: the identity of `op`, so the result is the
+// reduction over the ranks that have data.
+void FillIdentity(DataType dtype, ReduceOp op, void* data, int64_t count) {
+  DispatchDataType(dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using Acc = typename Arith<T>::Acc;
+    using Limits = std::numeric_limits<Acc>;
+    Acc value = 0;
+    if (op == ReduceOp::kProduct) value = 1;
+    if (op == ReduceOp::kMin) value = Limits::has_infinity ? Limits::infinity() : Limits::max();
+    if (op == ReduceOp::kMax) value = Limits::has_infinity ? -Limits::infinity() : Limits::lowest();
+    std::fill_n(static_cast<T*>(data), count, Arith<T>::Store(value));
+  });
+}
+
+}  // namespace
+
+Status Operations::Run(const Response& response, const std::vector<CollectiveRequest*>& entries,
+                       Status* op) {
+  CollectiveRequest* entry = entries.empty() ? nullptr : entries.front();
+  switch (response.type) {
+    case ResponseType::kAllreduce: return Allreduce(response, entries);
+    case ResponseType::kAllgather: return Allgather(response, entry, op);
+    case ResponseType::kBroadcast: return Broadcast(response, entry);
+    case ResponseType::kAlltoall:  // the coordinator never runs it without every rank's data
+      return entry ? Alltoall(response, *entry, op) : Status::Error("alltoall without data");
+    default: return Status::Error("unknown response type");
+  }
+}
+
+Status Operations::Allreduce(const Response& response,
+                             const std::vector<CollectiveRequest*>& entries) {
+  const DataType dtype = response.dtype;
+  const size_t item = DataTypeSize(dtype);
+  // Average is a Sum followed by a division by the ranks that contributed data: folded into the
+  // postscale for floating point; integers divide exactly afterwards (truncating toward zero).
+  const int64_t contributors =
+      controller_.size() - static_cast<int64_t>(response.joined_ranks.size());
+  const bool integer_average =
+      response.reduce_op == ReduceOp::kAverage && IsIntegerType(dtype);
+  double postscale = response.postscale_factor;
+  if (response.reduce_op == ReduceOp::kAverage && !integer_average) postscale /= contributors;
+  const double prescale = response.prescale_factor;
+
+  // The tensors' element counts: from the requests, or (a joined rank has none) the response.
+  const size_t n = entries.empty() ? response.sizes.size() : entries.size();
+  auto count_of = [&](size_t i) {
+    return entries.empty() ? response.sizes[i] : NumElements(entries[i]->shape);
+  };
+  std::vector<int64_t> tensor_bytes(n);
+  for (size_t i = 0; i < n; ++i) tensor_bytes[i] = count_of(i) * static_cast<int64_t>(item);
+
+  for (const std::vector<size_t>& group : FusionGroups(tensor_bytes)) {
+    int64_t total = 0;
+    for (size_t i : group) total += count_of(i);
+    if (total == 0) continue;
+    Status s;
+    if (entries.empty()) {
+      // Joined: the identity of the op, so that the others reduce over the ranks with data.
+      void* buffer = fusion_.Get(total * item);
+      if (buffer == nullptr) {
+        return Status::Error("out of memory for a " + std::to_string(total * item) +
+                             "-byte buffer of a joined rank");
+      }
+      FillIdentity(dtype, response.reduce_op, buffer, total);
+      s = controller_.Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+    } else if (group.size() == 1) {
+      // MPI reads the op's input and writes its output directly: no staging copy.
+      CollectiveRequest& e = *entries[group.front()];
+      const void* src = e.input;
+      if (prescale != 1.0) {
+        ScaleBuffer(dtype, e.input, e.output, total, prescale);
+        src = e.output;
+      }
+      s = controller_.Allreduce(src, e.output, total, dtype, response.reduce_op);
+      if (s.ok() && integer_average) DivideIntegers(dtype, e.output, total, contributors);
+      if (s.ok() && postscale != 1.0) ScaleBuffer(dtype, e.output, e.output, total, postscale);
+    } else {
+      s = FusedAllreduce(response, entries, group, total, prescale,
+                         integer_average ? contributors : 1, postscale);
+    }
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
+}
+
+Status Operations::FusedAllreduce(const Response& response,
+                                  const std::vector<CollectiveRequest*>& entries,
+                                  const std::vector<size_t>& group, int64_t total,
+                                  double prescale, int64_t divisor, double postscale) {
+  const DataType dtype = response.dtype;
+  const size_t item = DataTypeSize(dtype);
+  char* buffer = static_cast<char*>(fusion_.Get(total * item));
+  if (buffer == nullptr) {
+    return Status::Error("out of memory for a " + std::to_string(total * item) +
+                         "-byte fusion buffer");
+  }
+  int64_t offset = 0;
+  for (size_t i : group) {
+    const CollectiveRequest* e = entries[i];
+    const int64_t count = NumElements(e->shape);
+    if (prescale != 1.0) {
+      ScaleBuffer(dtype, e->input, buffer + offset * item, count, prescale);
+    } else {
+      CopyBytes(buffer + offset * item, e->input, count * item);
+    }
+    offset += count;
+  }
+  Status s = controller_.Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+  if (!s.ok()) return s;
+  if (divisor != 1) DivideIntegers(dtype, buffer, total, divisor);
+  offset = 0;
+  for (size_t i : group) {
+    CollectiveRequest* e = entries[i];
+    const int64_t count = NumElements(e->shape);
+    if (postscale != 1.0) {  // scaled on the way out: one pass instead of two
+      ScaleBuffer(dtype, buffer + offset * item, e->output, count, postscale);
+    } else {
+      CopyBytes(e->output, buffer + offset * item, count * item);
+    }
+    offset += count;
+  }
+  return Status::OK();
+}
+
+// Where to receive when the framework could not allocate an output: this rank must still take
+// part in the collective, or every other rank would wait for it forever.
+void* Operations::Scratch(size_t bytes, Status* op, Status* comm) {
+  void* scratch = fusion_.Get(bytes);
+  if (scratch == nullptr) {
+    *comm = Status::Error("out of memory for " + std::to_string(bytes) + " bytes after: " +
+                          op->message());
+  }
+  return scratch;
+}
+
+Status Operations::Allgather(const Response& response, CollectiveRequest* e, Status* op) {
+  std::vector<int64_t> out_shape = e ? e->shape : response.shape;
+  out_shape[0] = 0;
+  for (int64_t rows : response.sizes) out_shape[0] += rows;
+  const size_t row_bytes =
+      NumElements(std::vector<int64_t>(out_shape.begin() + 1, out_shape.end())) *
+      DataTypeSize(response.dtype);
+  const size_t total_bytes = out_shape[0] * row_bytes;
+  void* out = nullptr;
+  // A joined rank sends no rows and receives into scratch.
+  *op = e ? e->allocate_output(out_shape, &out) : Status::Error("this rank has joined");
+  Status comm;
+  if (!op->ok()) out = Scratch(total_bytes, op, &comm);
+  if (!comm.ok() || total_bytes == 0) return comm;
+  return controller_.Allgatherv(e ? e->input : out, out, response.sizes, row_bytes);
+}
+
+Status Operations::Broadcast(const Response& response, CollectiveRequest* e) {
+  const int64_t bytes =
+      NumElements(e ? e->shape : response.shape) * DataTypeSize(response.dtype);
+  if (bytes == 0) return Status::OK();
+  void* out = nullptr;
+  if (e == nullptr) {  // joined, and not the root (the coordinator checked): receive into scratch
+    Status op = Status::Error("this rank has joined"), comm;
+    out = Scratch(bytes, &op, &comm);
+    if (!comm.ok()) return comm;
+  } else {
+    out = e->output;
+    if (controller_.rank() == response.root_rank) CopyBytes(out, e->input, bytes);
+  }
+  return controller_.Broadcast(out, bytes, response.root_rank);
+}
+
+Status Operations::Alltoall(const Response& response, CollectiveRequest& e, Status* op) {
+  const int size = controller_.size();
+  const int me = controller_.rank();
+  std::vector<int64_t> send(size), recv(size);
+  int64_t all_rows = 0;
+  for (int r = 0; r < size; ++r) {
+    send[r] = response.sizes[static_cast<size_t>(me) * size + r];
+    recv[r] = response.sizes[static_cast<size_t>(r) * size + me];
+    for (int to = 0; to < size; ++to) {
+      all_rows += response.sizes[static_cast<size_t>(r) * size + to];
+    }
+  }
+  std::vector<int64_t> out_shape = e.shape;
+  out_shape[0] = 0;
+  for (int64_t rows : recv) out_shape[0] += rows;
+  const size_t row_bytes = NumElements(std::vector<int64_t>(e.shape.begin() + 1, e.shape.end())) *
+                           DataTypeSize(response.dtype);
+  void* out = nullptr;
+  *op = e.allocate_output(out_shape, &out);
+  Status comm;
+  if (!op->ok()) out = Scratch(out_shape[0] * row_bytes, op, &comm);
+  if (op->ok() && e.received_splits != nullptr) *e.received_splits = recv;
+  // Every rank knows the whole matrix, so all of them skip an empty exchange together.
+  if (!comm.ok() || all_rows * row_bytes == 0) return comm;
+  return controller_.Alltoallv(e.input, send, out, recv, row_bytes);
+}
+
+}  // namespace perseus

@@ -1,0 +1,522 @@
+// The runtime's one state object and its background thread. The thread makes every transport
+// call: it negotiates rounds (through the response cache, response_cache.h, and the coordinator,
+// negotiation.h) and executes the answers in order (operations.h). Requests reach it through
+// the tensor queue (tensor_queue.h).
+#include "runtime/runtime.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "runtime/fusion.h"
+#include "runtime/message.h"
+#include "runtime/negotiation.h"
+#include "runtime/operations.h"
+#include "runtime/response_cache.h"
+#include "runtime/tensor_queue.h"
+#include "transport/controller.h"
+
+namespace perseus {
+namespace {
+
+// How long an idle rank sleeps before joining a round anyway, so that a peer's shutdown and the
+// coordinator's stall checks never wait on a rank that has nothing to submit.
+constexpr auto kHeartbeat = std::chrono::seconds(1);
+
+// PERSEUS_* settings, read once by Init (defaults are in the README's table).
+struct Config {
+  int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
+  double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
+  double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
+  double stall_shutdown_secs = 0.0;                     // PERSEUS_STALL_SHUTDOWN_SECS
+  double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
+};
+
+Status ReadNumber(const char* name, double* value) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return Status::OK();
+  char* end = nullptr;
+  errno = 0;
+  const double parsed = std::strtod(text, &end);
+  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(parsed) || parsed < 0) {
+    return Status::Error(std::string("perseus_legacy: ") + name + "=\"" + text +
+                         "\" is not a non-negative number");
+  }
+  *value = parsed;
+  return Status::OK();
+}
+
+Status ReadConfig(Config* config) {
+  double fusion = static_cast<double>(config->fusion_threshold_bytes);
+  Status s = ReadNumber("PERSEUS_FUSION_THRESHOLD", &fusion);
+  if (s.ok()) s = ReadNumber("PERSEUS_CYCLE_TIME", &config->cycle_time_ms);
+  if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &config->stall_warning_secs);
+  if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
+  if (s.ok()) s = ReadNumber("PERSEUS_CACHE_CAPACITY", &config->cache_capacity);
+  config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
+  return s;
+}
+
+class Runtime {
+ public:
+  ~Runtime() {
+    // Reached at process exit without shutdown(): the thread may still be inside the transport,
+    // so leave it and the controller alone rather than tear them down under it.
+    if (thread_.joinable()) {
+      thread_.detach();
+      static_cast<void>(controller_.release());
+    }
+  }
+
+  Status Init(intptr_t comm_handle, const TcpOptions* tcp = nullptr);
+  void Shutdown();
+  std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
+  Status Join(int* last_joined_rank);
+  bool TakePeerJoined() { return peer_joined_.exchange(false); }
+
+  bool initialized() const { return initialized_.load(); }
+  int rank() const { return rank_.load(); }
+  int size() const { return size_.load(); }
+  int local_rank() const { return local_rank_.load(); }
+  int local_size() const { return local_size_.load(); }
+  int cross_rank() const { return cross_rank_.load(); }
+  int cross_size() const { return cross_size_.load(); }
+  bool threads_supported() const { return threads_supported_.load(); }
+  std::string controller_name() const { return tcp_ ? "tcp" : "mpi"; }
+
+ private:
+  using MessageFor = std::function<std::string(const std::string& name)>;
+
+  Status AdmitLocked(CollectiveRequest& request);
+  void Loop();
+  bool RunRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed);
+  // The response cache's part of a round; `*full`: a round through the coordinator must follow.
+  bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
+                  bool* full);
+  bool CoordinatorRound(const RequestList& mine, bool* progressed);
+  // Runs one response of a round (Operations) and completes this rank's requests in it.
+  bool Execute(const Response& response, bool from_cache);
+  bool CommunicationFailed(const Status& s, const char* during);
+  void Complete(const std::vector<std::string>& names, const Status& status);
+  void FinishJoin(const Status& status, int last_joined_rank);
+  void Stop(const std::string& reason, const MessageFor& message_for);
+  void Log(const std::string& text) const;
+
+  std::mutex init_mu_;  // serializes Init and Shutdown
+  std::atomic<bool> initialized_{false};
+  std::atomic<int> rank_{-1}, size_{-1}, local_rank_{-1}, local_size_{-1};
+  std::atomic<int> cross_rank_{-1}, cross_size_{-1};
+  std::atomic<bool> threads_supported_{false};
+  std::atomic<bool> tcp_{false};
+  // Set when a collective of this rank ran while another rank had joined; TakePeerJoined resets.
+  std::atomic<bool> peer_joined_{false};
+  Config config_;
+  std::unique_ptr<Controller> controller_;
+  std::thread thread_;
+
+  // Shared between Enqueue callers and the background thread.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  TensorQueue queue_;
+  bool shutdown_requested_ = false;
+  std::string stopped_reason_;  // set once the background thread has stopped for good
+  // join(): kRequested by the caller, kAnnounced once sent to the coordinator, kDone (with
+  // join_status_ / join_last_) when every rank has joined or the runtime stopped.
+  enum class JoinState { kIdle, kRequested, kAnnounced, kDone };
+  JoinState join_state_ = JoinState::kIdle;
+  Status join_status_;
+  int join_last_ = -1;
+  std::condition_variable join_cv_;
+
+  // Background thread only.
+  bool joined_ = false;  // this rank announced a join that has not finished yet
+  AnnouncedTable announced_;
+  CacheRounds cache_{0};
+  std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
+  FusionBuffer fusion_;
+};
+
+Runtime& State() {
+  static Runtime state;
+  return state;
+}
+
+Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
+  std::lock_guard<std::mutex> init_lock(init_mu_);
+  if (initialized_) return Status::OK();
+  Config config;
+  Status s = ReadConfig(&config);
+  if (!s.ok()) return s;
+  std::unique_ptr<Controller> controller;
+  s = tcp ? CreateTcpController(*tcp, &controller)
+          : CreateMpiController(comm_handle, &controller);
+  if (!s.ok()) return s;
+
+  config_ = config;
+  peer_joined_ = false;
+  controller_ = std::move(controller);
+  tcp_ = tcp != nullptr;
+  rank_ = controller_->rank();
+  size_ = controller_->size();
+  local_rank_ = controller_->local_rank();
+  local_size_ = controller_->local_size();
+  cross_rank_ = controller_->cross_rank();
+  cross_size_ = controller_->cross_size();
+  threads_supported_ = controller_->threads_supported();
+  coordinator_.reset();
+  if (rank_ == 0) {
+    CoordinatorOptions options;
+    options.size = size_;
+    options.fusion_threshold_bytes = config_.fusion_threshold_bytes;
+    options.stall_warning_secs = config_.stall_warning_secs;
+    options.stall_shutdown_secs = config_.stall_shutdown_secs;
+    coordinator_ = std::make_unique<Coordinator>(options);
+  }
+  announced_.clear();
+  cache_ = CacheRounds(static_cast<size_t>(config_.cache_capacity));
+  joined_ = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.Clear();
+    shutdown_requested_ = false;
+    stopped_reason_.clear();
+    join_state_ = JoinState::kIdle;
+  }
+  thread_ = std::thread(&Runtime::Loop, this);
+  initialized_ = true;
+  return Status::OK();
+}
+
+void Runtime::Shutdown() {
+  if (std::this_thread::get_id() == thread_.get_id()) {
+    // Called from a done callback: the thread cannot join itself. Ask it to stop; the next
+    // Shutdown() from another thread (at the latest the one at exit) finishes the job.
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_requested_ = true;
+    return;
+  }
+  std::lock_guard<std::mutex> init_lock(init_mu_);
+  if (!initialized_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutdown_requested_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  initialized_ = false;
+  for (auto* value : {&rank_, &size_, &local_rank_, &local_size_, &cross_rank_, &cross_size_}) {
+    *value = -1;
+  }
+  threads_supported_ = false;
+  coordinator_.reset();
+  controller_.reset();  // frees the communicators; finalizes MPI if Init started it
+}
+
+Status Runtime::AdmitLocked(CollectiveRequest& request) {
+  if (!stopped_reason_.empty()) {
+    return Status::Error("perseus_legacy: cannot run " + Quoted(request.type, request.name) +
+                         ": " + stopped_reason_);
+  }
+  if (shutdown_requested_) {
+    return Status::Error("perseus_legacy: cannot run " + Quoted(request.type, request.name) +
+                         ": shutdown() was called on this rank");
+  }
+  return queue_.Admit(request, rank_);
+}
+
+std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests) {
+  std::vector<Status> statuses;
+  statuses.reserve(requests.size());
+  bool admitted = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (CollectiveRequest& request : requests) {
+      Status s = CheckRequest(request, initialized_);
+      if (s.ok()) s = AdmitLocked(request);
+      admitted = admitted || s.ok();
+      statuses.push_back(std::move(s));
+    }
+  }
+  if (admitted) cv_.notify_one();
+  return statuses;
+}
+
+Status Runtime::Join(int* last_joined_rank) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::string on_rank = " on rank " + std::to_string(rank_);
+  if (!initialized_) {
+    return Status::Error("perseus_legacy has not been initialized: call perseus_legacy.init() "
+                         "before join()");
+  }
+  if (!stopped_reason_.empty()) {
+    return Status::Error("perseus_legacy: join() failed: " + stopped_reason_);
+  }
+  if (shutdown_requested_) {
+    return Status::Error("perseus_legacy: cannot join(): shutdown() was called" + on_rank);
+  }
+  if (join_state_ != JoinState::kIdle) {
+    return Status::Error("perseus_legacy: join() is already in progress" + on_rank);
+  }
+  join_state_ = JoinState::kRequested;
+  cv_.notify_one();
+  join_cv_.wait(lock, [this] { return join_state_ == JoinState::kDone; });
+  join_state_ = JoinState::kIdle;
+  *last_joined_rank = join_last_;
+  return join_status_;
+}
+
+void Runtime::FinishJoin(const Status& status, int last_joined_rank) {
+  joined_ = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (join_state_ == JoinState::kIdle || join_state_ == JoinState::kDone) return;
+    join_state_ = JoinState::kDone;
+    join_status_ = status;
+    join_last_ = last_joined_rank;
+  }
+  join_cv_.notify_all();
+}
+
+void Runtime::Loop() {
+  const auto cycle = std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
+  bool last_round_progressed = false;
+  while (true) {
+    RequestList mine;
+    std::vector<std::string> fresh;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      auto has_news = [this] {
+        return !queue_.empty() || shutdown_requested_ || join_state_ == JoinState::kRequested;
+      };
+      // Idle ranks sleep until an arrival (negotiated at once: a lone request must not wait a
+      // cycle) or the heartbeat. Ranks with requests outstanding keep joining rounds, since the
+      // other ranks' submissions arrive only through rounds: at once after a round in which
+      // something happened (the rest of a burst is likely on its way, and a rank that arrives
+      // late must not then wait a cycle for the ranks that were early), otherwise paced by the
+      // cycle time, which also batches the arrivals in between into one round. A joined rank
+      // waits on the others' submissions like a rank with requests outstanding.
+      if (!has_news()) {
+        if (announced_.empty() && !joined_) {
+          cv_.wait_for(lock, kHeartbeat, has_news);
+        } else if (!last_round_progressed) {
+          cv_.wait_for(lock, cycle, has_news);
+        }
+      }
+      fresh = queue_.AnnounceInto(&announced_);
+      mine.shutting_down = shutdown_requested_;
+      if (join_state_ == JoinState::kRequested) {
+        join_state_ = JoinState::kAnnounced;
+        mine.joined = joined_ = true;
+      }
+    }
+    if (!RunRound(fresh, &mine, &last_round_progressed)) return;
+  }
+}
+
+bool Runtime::CommunicationFailed(const Status& s, const char* during) {
+  if (s.ok()) return false;
+  const std::string reason = "communication failed on rank " + std::to_string(rank_) + during +
+                             ": " + s.message();
+  Stop(reason, [&](const std::string& name) {
+    return "perseus_legacy: \"" + name + "\" failed: " + reason;
+  });
+  return true;
+}
+
+bool Runtime::RunRound(const std::vector<std::string>& fresh, RequestList* mine,
+                       bool* progressed) {
+  bool full = true;
+  if (!cache_.enabled()) {
+    for (const std::string& name : fresh) mine->requests.push_back(announced_[name].meta);
+  } else if (!CacheRound(fresh, mine, progressed, &full)) {
+    return false;
+  }
+  if (!full) return true;
+  bool coordinator_progress = false;
+  if (!CoordinatorRound(*mine, &coordinator_progress)) return false;
+  *progressed = (cache_.enabled() && *progressed) || coordinator_progress;
+  return true;
+}
+
+bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* mine,
+                         bool* progressed, bool* full) {
+  const bool busy_coordinator = coordinator_ && coordinator_->has_pending();
+  std::vector<uint64_t> bits = cache_.Offer(
+      fresh, &announced_, mine->shutting_down || mine->joined || busy_coordinator, joined_);
+  if (CommunicationFailed(controller_->AllreduceBitsAnd(&bits), " while negotiating")) {
+    return false;
+  }
+  CacheRounds::Outcome outcome =
+      cache_.Settle(bits, &announced_, config_.fusion_threshold_bytes, mine);
+  *full = outcome.full;
+  *progressed = outcome.progressed;
+  for (const Response& response : outcome.ready) {
+    if (!Execute(response, /*from_cache=*/true)) return false;
+  }
+  return true;
+}
+
+bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
+  std::vector<std::string> gathered;
+  Status s = controller_->GatherToCoordinator(Serialize(mine), &gathered);
+  std::string answer;
+  bool final_answer = false;  // rank 0: the answer ends the runtime (a shutdown, a fatal error)
+  if (s.ok() && coordinator_) {
+    std::string warning;
+    const ResponseList plan = coordinator_->Answer(gathered, &warning);
+    if (!warning.empty()) Log(warning);
+    answer = Serialize(plan);
+    for (const Response& response : plan.responses) {
+      final_answer = final_answer || response.type == ResponseType::kShutdown ||
+                     response.type == ResponseType::kFatal;
+    }
+  }
+  if (s.ok()) s = controller_->BroadcastFromCoordinator(&answer);
+  // Ranks that received a final answer may exit at once, which the broadcast to the others can
+  // then see as a lost connection; the answer itself is still the reason to report.
+  if (!s.ok() && final_answer) s = Status::OK();
+  ResponseList plan;
+  if (s.ok() && !Deserialize(answer, &plan)) {
+    s = Status::Error("malformed answer from the coordinator");
+  }
+  if (CommunicationFailed(s, " while negotiating")) return false;
+
+  *progressed = plan.progress;
+  for (const Response& response : plan.responses) {
+    switch (response.type) {
+      case ResponseType::kShutdown: {
+        const std::string who = response.error;
+        Stop(who + " shut down (it exited or called shutdown()); no collective can run after "
+                   "that",
+             [&](const std::string& name) {
+               return "perseus_legacy: " + who + " shut down while \"" + name +
+                      "\" was pending on this rank (it exited or called shutdown())";
+             });
+        return false;
+      }
+      case ResponseType::kFatal:
+        Stop(response.error, [&](const std::string&) { return response.error; });
+        return false;
+      case ResponseType::kJoin:
+        FinishJoin(Status::OK(), response.root_rank);
+        break;
+      case ResponseType::kError: {
+        std::vector<std::string> mine_failed;
+        for (const std::string& name : response.names) {
+          if (announced_.count(name)) mine_failed.push_back(name);
+        }
+        Complete(mine_failed, Status::Error(response.error));
+        break;
+      }
+      default:
+        if (!Execute(response, /*from_cache=*/false)) return false;
+    }
+  }
+  return true;
+}
+
+bool Runtime::Execute(const Response& response, bool from_cache) {
+  const bool without_data = std::find(response.joined_ranks.begin(), response.joined_ranks.end(),
+                                      rank_.load()) != response.joined_ranks.end();
+  std::vector<CollectiveRequest*> entries;
+  for (const std::string& name : response.names) {
+    if (without_data) break;
+    auto it = announced_.find(name);
+    if (it == announced_.end()) {
+      const std::string reason = "internal error: the coordinator scheduled \"" + name +
+                                 "\", which rank " + std::to_string(rank_) + " never submitted";
+      Stop(reason, [&](const std::string&) { return "perseus_legacy: " + reason; });
+      return false;
+    }
+    entries.push_back(&it->second.request);
+  }
+
+  Status op;
+  const Status comm = Operations(controller_.get(), &fusion_).Run(response, entries, &op);
+  if (!comm.ok()) {
+    const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
+                               comm.message();
+    Stop(reason, [&](const std::string& name) {
+      return "perseus_legacy: \"" + name + "\" failed: " + reason;
+    });
+    return false;
+  }
+  if (!from_cache && response.joined_ranks.empty()) {
+    cache_.Remember(response, &announced_);  // every rank executed it with its own data
+  }
+  if (!without_data) {
+    if (!response.joined_ranks.empty()) peer_joined_ = true;  // before the op's done callback
+    Complete(response.names, op);
+  }
+  return true;
+}
+
+void Runtime::Complete(const std::vector<std::string>& names, const Status& status) {
+  {
+    // Released before `done` runs, so a callback may submit the same name again at once.
+    std::lock_guard<std::mutex> lock(mu_);
+    queue_.Release(names);
+  }
+  for (const std::string& name : names) {
+    auto node = announced_.extract(name);
+    if (!node.empty()) node.mapped().request.done(status);
+  }
+}
+
+void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
+  std::deque<CollectiveRequest> queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_reason_ = reason;
+    queued = queue_.TakeAll();
+  }
+  for (auto& [name, a] : announced_) a.request.done(Status::Error(message_for(name)));
+  announced_.clear();
+  cache_.ForgetWaiting();
+  for (CollectiveRequest& request : queued) request.done(Status::Error(message_for(request.name)));
+  FinishJoin(Status::Error("perseus_legacy: join() failed: " + reason), -1);
+}
+
+void Runtime::Log(const std::string& text) const {
+  std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank_.load(), text.c_str());
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+Status Init(intptr_t mpi_comm_handle) { return State().Init(mpi_comm_handle); }
+Status InitTcp(const TcpOptions& options) { return State().Init(0, &options); }
+void Shutdown() { State().Shutdown(); }
+bool IsInitialized() { return State().initialized(); }
+int Rank() { return State().rank(); }
+int Size() { return State().size(); }
+int LocalRank() { return State().local_rank(); }
+int LocalSize() { return State().local_size(); }
+int CrossRank() { return State().cross_rank(); }
+int CrossSize() { return State().cross_size(); }
+bool MpiThreadsSupported() { return State().threads_supported(); }
+bool MpiBuilt() { return true; }
+bool TcpBuilt() { return true; }
+std::string ControllerName() { return State().controller_name(); }
+Status Enqueue(CollectiveRequest request) {
+  std::vector<CollectiveRequest> one;
+  one.push_back(std::move(request));
+  return State().EnqueueAll(std::move(one)).front();
+}
+std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
+  return State().EnqueueAll(std::move(requests));
+}
+Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
+bool TakePeerJoined() { return State().TakePeerJoined(); }
+
+}  // namespace perseus

@@ -1,0 +1,33 @@
+// The default AllreduceBitsAnd of a transport: through the coordinator, over the control plane.
+#include "transport/controller.h"
+
+#include <cstring>
+
+namespace perseus {
+
+Status Controller::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
+  std::string mine(reinterpret_cast<const char*>(bits->data()), bits->size() * sizeof(uint64_t));
+  std::vector<std::string> all;
+  Status s = GatherToCoordinator(mine, &all);
+  if (!s.ok()) return s;
+  if (rank() == 0) {
+    for (const std::string& other : all) {
+      if (other.size() != mine.size()) return Status::Error("bit vectors of different lengths");
+      for (size_t i = 0; i < bits->size(); ++i) {
+        uint64_t word;
+        std::memcpy(&word, other.data() + i * sizeof(uint64_t), sizeof(word));
+        (*bits)[i] &= word;
+      }
+    }
+    mine.assign(reinterpret_cast<const char*>(bits->data()), mine.size());
+  }
+  s = BroadcastFromCoordinator(&mine);
+  if (!s.ok()) return s;
+  if (mine.size() != bits->size() * sizeof(uint64_t)) {
+    return Status::Error("malformed bit vector from the coordinator");
+  }
+  std::memcpy(bits->data(), mine.data(), mine.size());
+  return Status::OK();
+}
+
+}  // namespace perseus

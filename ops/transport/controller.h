@@ -1,0 +1,62 @@
+// The interface every transport implements, and all the runtime knows of one: a control plane
+// (bytes to and from the coordinator, rank 0) for negotiation and a data plane (the collectives
+// themselves). MpiController (mpi_controller.h) and TcpController (tcp_controller.h) implement it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/common.h"
+#include "runtime/runtime.h"
+
+namespace perseus {
+
+class Controller {
+ public:
+  virtual ~Controller() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual int local_rank() const = 0;
+  virtual int local_size() const = 0;
+  virtual int cross_rank() const = 0;
+  virtual int cross_size() const = 0;
+  virtual bool threads_supported() const = 0;
+  virtual std::string name() const = 0;
+
+  // Control plane. Collective: every rank calls each once per negotiation round.
+  // `all` receives every rank's bytes on the coordinator (rank 0) and is left empty elsewhere.
+  virtual Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) = 0;
+  // The coordinator's `bytes` replace every other rank's.
+  virtual Status BroadcastFromCoordinator(std::string* bytes) = 0;
+  // Every rank's `bits` (the same length everywhere) AND-ed together, in place. The default goes
+  // through the coordinator with the two calls above; a transport may override it with one
+  // collective.
+  virtual Status AllreduceBitsAnd(std::vector<uint64_t>* bits);
+
+  // Data plane. Collective, in the same order on every rank.
+  // out = reduce(in over ranks); in == out means in place.
+  virtual Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
+                           ReduceOp op) = 0;
+  // counts[r] units of `unit_bytes` from rank r, concatenated in rank order into out.
+  virtual Status Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
+                            size_t unit_bytes) = 0;
+  virtual Status Broadcast(void* data, int64_t bytes, int root) = 0;
+  // send_counts[r] units go to rank r, recv_counts[r] units come from rank r, packed in rank order.
+  virtual Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
+                           const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
+  virtual Status Barrier() = 0;
+};
+
+// The transports. Each connects this rank to every other one and waits for all of them
+// (collective), then hands over the ready controller.
+// MPI (mpi_controller.cc): initializes MPI when nobody has (and then finalizes it on
+// destruction) and duplicates the communicator `comm_handle` (0: MPI_COMM_WORLD).
+Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
+// TCP (tcp_rendezvous.cc): listens on options.addresses[options.rank] and meets every other rank
+// within options.start_timeout_secs.
+Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
+
+}  // namespace perseus

@@ -1,0 +1,254 @@
+// The TCP transport's control plane: length-prefixed frames between rank 0 and every other rank
+// (negotiation messages, and abort notices that carry the first failure to every rank), and
+// what happens when a peer is lost.
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "transport/tcp_controller.h"
+
+namespace perseus {
+namespace {
+
+constexpr uint32_t kFrameMessage = 1;
+constexpr uint32_t kFrameAbort = 2;
+constexpr size_t kFrameHeaderBytes = 16;  // kind (u32), reserved (u32), length (u64)
+constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 31;
+
+std::string Frame(uint32_t kind, const std::string& payload) {
+  std::string out = U32(kind) + U32(0);
+  const uint64_t length = payload.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((length >> (8 * i)) & 0xff));
+  return out + payload;
+}
+
+}  // namespace
+
+void TcpController::QueueMessage(int peer, const std::string& message) {
+  peers_[peer].outbox += Frame(kFrameMessage, message);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Failures
+
+std::vector<int> TcpController::ControlPeers() const {
+  std::vector<int> out;
+  for (int peer = 0; peer < size_; ++peer) {
+    if (peers_[peer].control.valid()) out.push_back(peer);
+  }
+  return out;
+}
+
+// Reads what `peer`'s control socket has; parses complete frames. An abort notice or a closed
+// socket ends the pumping (`text` gets the notice).
+TcpController::Pumped TcpController::Pump(int peer, std::string* text) {
+  Peer& p = peers_[peer];
+  char buffer[64 << 10];
+  bool closed = false;
+  while (true) {
+    const ssize_t n = recv(p.control.fd(), buffer, sizeof(buffer), MSG_DONTWAIT);
+    if (n > 0) {
+      p.inbox.append(buffer, static_cast<size_t>(n));
+      control_received_ += static_cast<uint64_t>(n);
+      continue;
+    }
+    if (n < 0 && WouldBlock(errno) && errno != EINTR) break;
+    if (n < 0 && errno == EINTR) continue;
+    closed = true;
+    *text = n == 0 ? "closed its connection (the process exited or was killed)"
+                   : "connection failed: " + Errno(errno);
+    break;
+  }
+  while (p.inbox.size() >= kFrameHeaderBytes) {
+    const uint32_t kind = ReadU32(p.inbox.data());
+    uint64_t length = 0;
+    for (int i = 0; i < 8; ++i) {
+      length |= uint64_t{static_cast<uint8_t>(p.inbox[8 + i])} << (8 * i);
+    }
+    if (length > kMaxFrameBytes || (kind != kFrameMessage && kind != kFrameAbort)) {
+      *text = "sent a malformed control frame";
+      return Pumped::kClosed;
+    }
+    if (p.inbox.size() < kFrameHeaderBytes + length) break;
+    std::string payload = p.inbox.substr(kFrameHeaderBytes, length);
+    p.inbox.erase(0, kFrameHeaderBytes + length);
+    if (kind == kFrameAbort) {
+      *text = std::move(payload);
+      return Pumped::kAbort;
+    }
+    p.messages.push_back(std::move(payload));
+  }
+  return closed ? Pumped::kClosed : Pumped::kOk;
+}
+
+Status TcpController::PumpAll(const std::vector<int>& peers) {
+  for (int peer : peers) {
+    std::string text;
+    switch (Pump(peer, &text)) {
+      case Pumped::kOk: break;
+      case Pumped::kAbort: return Fail(Status::Error(text));
+      case Pumped::kClosed: return Lost(peer, text);
+    }
+  }
+  return Status::OK();
+}
+
+// `peer` is gone. Another rank may have failed first (and `peer` only left because of it):
+// wait briefly for an abort notice that names the original failure.
+Status TcpController::Lost(int peer, const std::string& what) {
+  if (!failed_.ok()) return failed_;
+  const double until = Now() + kNoticeWaitSecs;
+  std::vector<int> watched = ControlPeers();
+  while (!watched.empty() && Now() < until) {
+    std::vector<pollfd> fds;
+    for (int p : watched) fds.push_back({peers_[p].control.fd(), POLLIN, 0});
+    poll(fds.data(), fds.size(), 100);
+    for (size_t i = 0; i < watched.size();) {
+      std::string text;
+      const Pumped pumped = Pump(watched[i], &text);
+      if (pumped == Pumped::kAbort) return Fail(Status::Error(text));
+      if (pumped == Pumped::kClosed) {
+        watched.erase(watched.begin() + i);
+      } else {
+        ++i;
+      }
+    }
+  }
+  return Fail(Status::Error("perseus_legacy: " + Describe(peer) + " " + what));
+}
+
+// Records the first failure, tells the other ranks (through rank 0) and stops sending.
+Status TcpController::Fail(const Status& status) {
+  if (!failed_.ok()) return failed_;
+  failed_ = status;
+  const std::string notice = Frame(kFrameAbort, status.message());
+  for (int peer : ControlPeers()) peers_[peer].outbox += notice;
+  // Best effort and bounded: a peer that reads nothing must not hold this rank.
+  const double until = Now() + kNoticeWaitSecs;
+  while (Now() < until) {
+    std::vector<pollfd> fds;
+    for (int peer : ControlPeers()) {
+      Peer& p = peers_[peer];
+      while (!p.outbox.empty()) {
+        const ssize_t n = send(p.control.fd(), p.outbox.data(), p.outbox.size(),
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          p.outbox.erase(0, static_cast<size_t>(n));
+        } else if (n < 0 && WouldBlock(errno)) {
+          fds.push_back({p.control.fd(), POLLOUT, 0});
+          break;
+        } else {
+          p.outbox.clear();
+        }
+      }
+    }
+    if (fds.empty()) break;
+    poll(fds.data(), fds.size(), 100);
+  }
+  for (Peer& p : peers_) {
+    for (Socket* socket : {&p.control, &p.data}) {
+      if (socket->valid()) shutdown(socket->fd(), SHUT_WR);
+    }
+  }
+  return failed_;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Control plane
+
+Status TcpController::ControlExchange(const std::vector<int>& await_from, double limit_secs) {
+  const std::vector<int> control = ControlPeers();
+  double last_progress = Now();
+  while (true) {
+    bool progressed = false, pending = false;
+    std::vector<pollfd> fds;
+    for (int peer : control) {
+      Peer& p = peers_[peer];
+      short events = POLLIN;
+      if (!p.outbox.empty()) {
+        const ssize_t n = send(p.control.fd(), p.outbox.data(), p.outbox.size(),
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          p.outbox.erase(0, static_cast<size_t>(n));
+          progressed = true;
+        } else if (n < 0 && !WouldBlock(errno)) {
+          return Lost(peer, "connection failed: " + Errno(errno));
+        }
+        if (!p.outbox.empty()) {
+          pending = true;
+          events |= POLLOUT;
+        }
+      }
+      fds.push_back({p.control.fd(), events, 0});
+    }
+    const uint64_t before = control_received_;
+    Status s = PumpAll(control);
+    if (!s.ok()) return s;
+    progressed = progressed || control_received_ != before;
+    std::vector<int> silent;
+    for (int peer : await_from) {
+      if (peers_[peer].messages.empty()) silent.push_back(peer);
+    }
+    if (!pending && silent.empty()) return Status::OK();
+    const double now = Now();
+    if (progressed) {
+      last_progress = now;
+      continue;
+    }
+    if (now - last_progress > limit_secs) {
+      if (silent.empty()) silent = control;
+      return Lost(silent.front(), "stopped responding: nothing from ranks " + RankList(silent) +
+                                      " for " + Seconds(limit_secs) + " s");
+    }
+    const int wait_ms = static_cast<int>(std::min(1000.0, (limit_secs - (now - last_progress)) *
+                                                               1000) + 1);
+    if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) {
+      return Fail(Status::Error("perseus_legacy: poll failed: " + Errno(errno)));
+    }
+  }
+}
+
+Status TcpController::GatherToCoordinator(const std::string& mine,
+                                          std::vector<std::string>* all) {
+  if (!failed_.ok()) return failed_;
+  if (options_.rank != 0) {
+    QueueMessage(0, mine);
+    return ControlExchange({}, kPeerSilenceSecs);
+  }
+  std::vector<int> others;
+  for (int peer = 1; peer < size_; ++peer) others.push_back(peer);
+  Status s = ControlExchange(others, kPeerSilenceSecs);
+  if (!s.ok()) return s;
+  all->assign(size_, std::string());
+  (*all)[0] = mine;
+  for (int peer : others) {
+    (*all)[peer] = std::move(peers_[peer].messages.front());
+    peers_[peer].messages.pop_front();
+  }
+  return Status::OK();
+}
+
+Status TcpController::BroadcastFromCoordinator(std::string* bytes) {
+  if (!failed_.ok()) return failed_;
+  if (options_.rank == 0) {
+    const std::string frame = Frame(kFrameMessage, *bytes);
+    for (int peer = 1; peer < size_; ++peer) peers_[peer].outbox += frame;
+    return ControlExchange({}, kPeerSilenceSecs);
+  }
+  Status s = ControlExchange({0}, kPeerSilenceSecs);
+  if (!s.ok()) return s;
+  *bytes = std::move(peers_[0].messages.front());
+  peers_[0].messages.pop_front();
+  return Status::OK();
+}
+
+Status TcpController::Barrier() {
+  std::vector<std::string> ignored;
+  Status s = GatherToCoordinator(std::string(), &ignored);
+  std::string nothing;
+  return s.ok() ? BroadcastFromCoordinator(&nothing) : s;
+}
+
+}  // namespace perseus
