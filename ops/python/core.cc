@@ -65,6 +65,7 @@ const std::pair<const char*, DataType> kDtypes[] = {
     {"float32", DataType::kFloat32}, {"float64", DataType::kFloat64},
     {"int32", DataType::kInt32},     {"int64", DataType::kInt64},
     {"uint8", DataType::kUInt8},     {"int8", DataType::kInt8},
+    {"int16", DataType::kInt16},     {"uint16", DataType::kUInt16},
     {"bool", DataType::kBool},
 };
 
@@ -88,7 +89,7 @@ DataType DtypeOf(const py::array& array, const char* what) {
   }
   throw py::type_error(std::string("perseus_legacy.") + what + ": unsupported dtype " + name +
                        "; supported: float16, bfloat16, float32, float64, int32, int64, uint8, "
-                       "int8, bool");
+                       "int8, int16, uint16, bool");
 }
 
 std::vector<int64_t> ShapeOf(const py::array& array) {

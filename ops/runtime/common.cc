@@ -9,6 +9,8 @@ size_t DataTypeSize(DataType dtype) {
   switch (dtype) {
     case DataType::kFloat16:
     case DataType::kBFloat16:
+    case DataType::kInt16:
+    case DataType::kUInt16:
       return 2;
     case DataType::kFloat32:
     case DataType::kInt32:
@@ -35,6 +37,8 @@ const char* DataTypeName(DataType dtype) {
     case DataType::kUInt8: return "uint8";
     case DataType::kInt8: return "int8";
     case DataType::kBool: return "bool";
+    case DataType::kInt16: return "int16";
+    case DataType::kUInt16: return "uint16";
   }
   return "unknown";
 }

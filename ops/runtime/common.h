@@ -22,6 +22,8 @@ enum class DataType : uint8_t {
   kUInt8 = 6,
   kInt8 = 7,
   kBool = 8,  // allgather / broadcast / alltoall only
+  kInt16 = 9,
+  kUInt16 = 10,
 };
 
 // Values are part of the Python API (perseus_legacy.Average == 0, ...): keep them stable.
@@ -56,18 +58,28 @@ std::string Quoted(CollectiveType type, const std::string& name);
 // The clock of the runtime's waits and of the coordinator's stall checks.
 using Clock = std::chrono::steady_clock;
 
+// What kind of failure a Status reports, so that each framework raises its matching error type.
+enum class ErrorKind : uint8_t {
+  kFailed = 0,    // the collective could not run: a rank left, a transport failed, shutdown
+  kMismatch = 1,  // the ranks' requests for one tensor disagree, or never all arrived
+};
+
 // An error is a value with its context; ok() when message is empty.
 class Status {
  public:
   Status() = default;
   static Status OK() { return Status(); }
-  static Status Error(std::string message) { return Status(std::move(message)); }
+  static Status Error(std::string message, ErrorKind kind = ErrorKind::kFailed) {
+    return Status(std::move(message), kind);
+  }
   bool ok() const { return message_.empty(); }
   const std::string& message() const { return message_; }
+  ErrorKind kind() const { return kind_; }
 
  private:
-  explicit Status(std::string message) : message_(std::move(message)) {}
+  Status(std::string message, ErrorKind kind) : message_(std::move(message)), kind_(kind) {}
   std::string message_;
+  ErrorKind kind_ = ErrorKind::kFailed;
 };
 
 // Called from the background thread once the output shape of an allgather/alltoall is known.

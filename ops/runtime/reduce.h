@@ -64,6 +64,8 @@ decltype(auto) DispatchDataType(DataType dtype, F&& f) {
     case DataType::kUInt8: return f(TypeTag<uint8_t>{});
     case DataType::kInt8: return f(TypeTag<int8_t>{});
     case DataType::kBool: return f(TypeTag<bool>{});
+    case DataType::kInt16: return f(TypeTag<int16_t>{});
+    case DataType::kUInt16: return f(TypeTag<uint16_t>{});
   }
   return f(TypeTag<uint8_t>{});
 }

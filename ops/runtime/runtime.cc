@@ -415,7 +415,7 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
         for (const std::string& name : response.names) {
           if (announced_.count(name)) mine_failed.push_back(name);
         }
-        Complete(mine_failed, Status::Error(response.error));
+        Complete(mine_failed, Status::Error(response.error, ErrorKind::kMismatch));
         break;
       }
       default:

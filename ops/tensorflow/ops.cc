@@ -40,7 +40,8 @@ using tf::shape_inference::ShapeHandle;
 
 // dtype lists of the op definitions. One kernel registration per op (no TypeConstraint) serves
 // every dtype the op definition allows, since the kernels only move bytes and pass the dtype on.
-#define PERSEUS_REDUCIBLE_TYPES "half, bfloat16, float, double, int32, int64, uint8, int8"
+#define PERSEUS_REDUCIBLE_TYPES \
+  "half, bfloat16, float, double, int32, int64, uint8, int8, int16, uint16"
 #define PERSEUS_ALL_TYPES PERSEUS_REDUCIBLE_TYPES ", bool"
 
 // The single TF -> runtime dtype mapping.
@@ -55,10 +56,20 @@ tf::Status ToPerseusDataType(tf::DataType tf_dtype, DataType* out) {
     case tf::DT_UINT8: *out = DataType::kUInt8; return tf::OkStatus();
     case tf::DT_INT8: *out = DataType::kInt8; return tf::OkStatus();
     case tf::DT_BOOL: *out = DataType::kBool; return tf::OkStatus();
+    case tf::DT_INT16: *out = DataType::kInt16; return tf::OkStatus();
+    case tf::DT_UINT16: *out = DataType::kUInt16; return tf::OkStatus();
     default:
       return tf::errors::InvalidArgument("perseus_legacy collectives do not support dtype ",
                                          tf::DataTypeString(tf_dtype));
   }
+}
+
+// A failed collective as the TensorFlow error a Horovod user catches: FailedPrecondition when
+// the ranks' requests disagree, Unknown when the collective could not run.
+tf::Status FailedCollective(const std::string& what, const Status& status) {
+  const std::string text = what + " failed: " + status.message();
+  if (status.kind() == ErrorKind::kMismatch) return tf::errors::FailedPrecondition(text);
+  return tf::errors::Unknown(text);
 }
 
 std::vector<int64_t> ShapeOf(const TensorShape& shape) {
@@ -108,7 +119,7 @@ class CollectiveOpKernel : public AsyncOpKernel {
     // The context, its inputs and outputs stay valid until `done` runs.
     request.done = [ctx, done, what = description_, on_success](const Status& status) {
       if (!status.ok()) {
-        ctx->SetStatus(tf::errors::Unknown(what, " failed: ", status.message()));
+        ctx->SetStatus(FailedCollective(what, status));
       } else if (on_success) {
         ctx->SetStatus(on_success(ctx));
       }
@@ -273,30 +284,25 @@ class GroupedAllreduceOp : public AsyncOpKernel {
     struct Group {
       std::mutex mu;
       int remaining;
-      std::string error;  // the first failure
+      Status error;  // the first failure
     };
     auto group = std::make_shared<Group>();
     group->remaining = n;
-    auto finish = [ctx, done, group, what = tensor_name_](const std::string& error) {
+    auto finish = [ctx, done, group, what = tensor_name_](const Status& status) {
       {
         std::lock_guard<std::mutex> lock(group->mu);
-        if (!error.empty() && group->error.empty()) group->error = error;
+        if (!status.ok() && group->error.ok()) group->error = status;
         if (--group->remaining > 0) return;
       }
-      if (!group->error.empty()) {
-        ctx->SetStatus(tf::errors::Unknown("PerseusGroupedAllreduce '", what, "' failed: ",
-                                           group->error));
+      if (!group->error.ok()) {
+        ctx->SetStatus(FailedCollective("PerseusGroupedAllreduce '" + what + "'", group->error));
       }
       done();
     };
-    for (CollectiveRequest& request : requests) {
-      request.done = [finish](const Status& status) {
-        finish(status.ok() ? std::string() : status.message());
-      };
-    }
+    for (CollectiveRequest& request : requests) request.done = finish;
     std::vector<Status> admitted = perseus::EnqueueAll(std::move(requests));
     for (const Status& status : admitted) {
-      if (!status.ok()) finish(status.message());  // refused: its done never runs
+      if (!status.ok()) finish(status);  // refused: its done never runs
     }
   }
 

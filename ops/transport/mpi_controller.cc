@@ -311,6 +311,8 @@ MPI_Datatype MpiController::Type(DataType dtype) const {
     case DataType::kUInt8: return MPI_UINT8_T;
     case DataType::kInt8: return MPI_INT8_T;
     case DataType::kBool: return MPI_BYTE;
+    case DataType::kInt16: return MPI_INT16_T;
+    case DataType::kUInt16: return MPI_UINT16_T;
   }
   return MPI_BYTE;
 }

@@ -17,7 +17,8 @@ CONTROLLER = tf_config.controller_from_env()  # "mpi", or "tcp" under perseusrun
 
 AVERAGE, SUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4
 OPS = {"average": AVERAGE, "sum": SUM, "min": MIN, "max": MAX, "product": PRODUCT}
-NUMERIC = ["float16", ml_dtypes.bfloat16, "float32", "float64", "int32", "int64", "uint8", "int8"]
+NUMERIC = ["float16", ml_dtypes.bfloat16, "float32", "float64", "int32", "int64", "uint8", "int8",
+           "int16", "uint16"]
 
 
 def tolerance(dtype) -> dict:
@@ -136,7 +137,7 @@ def check_scaling(rank: int, size: int) -> None:
 
 
 def check_allgather(rank: int, size: int) -> None:
-    for dtype in ["float32", "int64", "bool", ml_dtypes.bfloat16, "uint8"]:
+    for dtype in ["float32", "int64", "bool", ml_dtypes.bfloat16, "uint8", "int16", "uint16"]:
         name = f"ag.{np.dtype(dtype).name}"
         data = [rank_data(r, (r + 1, 3), dtype, seed=30) for r in range(size)]
         assert_close(rank, name, _core.allgather(data[rank], name), np.concatenate(data))
@@ -148,7 +149,7 @@ def check_allgather(rank: int, size: int) -> None:
 
 def check_broadcast(rank: int, size: int) -> None:
     for root in range(size):
-        for dtype in ["float32", "int8", "bool", "float16"]:
+        for dtype in ["float32", "int8", "bool", "float16", "uint16"]:
             name = f"bc.{root}.{np.dtype(dtype).name}"
             mine = rank_data(rank, (4, 2), dtype, seed=40 + root)
             expected = rank_data(root, (4, 2), dtype, seed=40 + root)

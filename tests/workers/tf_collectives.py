@@ -21,7 +21,8 @@ import tensorflow as tf
 from worker_util import assert_close, fail, rank_data
 
 BF16 = tf.bfloat16.as_numpy_dtype
-REDUCIBLE = [np.float16, BF16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.int8]
+REDUCIBLE = [np.float16, BF16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.int8,
+             np.int16, np.uint16]
 ALL_TYPES = REDUCIBLE + [np.bool_]
 OPS = {pl.Average: "Average", pl.Sum: "Sum", pl.Min: "Min", pl.Max: "Max", pl.Product: "Product"}
 SESSION_CONFIG = dict(intra_op_parallelism_threads=1, inter_op_parallelism_threads=2)
@@ -366,7 +367,7 @@ def check_errors(rank: int, size: int) -> None:
         try:
             sess.run(bad)
             fail(rank, "an allreduce with shapes differing across ranks did not fail")
-        except tf.errors.OpError as exc:
+        except tf.errors.FailedPreconditionError as exc:  # as Horovod raises it
             if "mismatched_weights" not in str(exc):
                 fail(rank, f"the shape-mismatch error does not name the tensor: {exc}")
         # The runtime keeps working after a failed collective.
