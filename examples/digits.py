@@ -64,6 +64,15 @@ def global_batches(x: np.ndarray, y: np.ndarray, batch_size: int, ranks: int):
         yield tuple(np.concatenate(parts) for parts in zip(*step))
 
 
+def global_order(x: np.ndarray, y: np.ndarray, batch_size: int, ranks: int) -> tuple:
+    """x and y rearranged for fit(batch_size=batch_size * ranks, shuffle=False): batch k holds
+    batch k of every rank's equal shard (every ranks-th example), in rank order."""
+    shards = np.arange(len(x) // ranks * ranks).reshape(-1, ranks).T  # row r: rank r's rows
+    order = np.concatenate([shards[:, start:start + batch_size].ravel()
+                            for start in range(0, shards.shape[1], batch_size)])
+    return x[order], y[order]
+
+
 def concatenated(datasets: list) -> tf.data.Dataset:
     """One element of every dataset (a batch each) per step, concatenated in order."""
     return tf.data.Dataset.zip(tuple(datasets)).map(
