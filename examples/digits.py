@@ -4,9 +4,10 @@ nothing distributed).
 Data: an MNIST .npz (x_train, y_train, x_test, y_test) or scikit-learn's bundled 8x8 digits
 (no download). Images come back flattened, scaled to [0, 1], as float32.
 
-Reference: an example run with `--reference-ranks N` uses no perseus_legacy at all. One process
-trains on what N synchronous ranks see together: each step, the N ranks' batches concatenated
-(global_batches, concatenated), with the learning rate scaled by N and rank 0's initial weights.
+Reference: an example run with `--reference-ranks N` joins no job and runs no collective. One
+process trains on what N synchronous ranks see together: each step, the N ranks' batches
+concatenated (global_batches, global_order, concatenated), with the learning rate scaled by N and
+rank 0's initial weights.
 Every run prints weights_line() (on every rank), so a test can check that the ranks agree with
 each other and with the reference.
 """

@@ -33,7 +33,7 @@ def input_fns(data_path: str | None, reference: int = 0) -> tuple:
 
     def shard_batches(index=None, count=None):
         dataset = tf.data.Dataset.from_tensor_slices(({"x": x_train}, y_train))
-        dataset = pl.data.shard(dataset, index, count)  # perseus_legacy: every size()-th example
+        dataset = pl.data.shard(dataset, index, count)  # perseus_legacy: default rank(), size()
         return dataset.shuffle(len(x_train), seed=0).repeat().batch(BATCH)
 
     def train_input_fn():
