@@ -1,7 +1,16 @@
-"""What the digits examples share: the data and the model (plain TF1, nothing distributed).
+"""What the digits examples share: the data, the model and the reference run (plain TF1,
+nothing distributed).
 
 Data: an MNIST .npz (x_train, y_train, x_test, y_test) or scikit-learn's bundled 8x8 digits
-(no download). Images come back flattened, scaled to [0, 1], as float32."""
+(no download). Images come back flattened, scaled to [0, 1], as float32.
+
+Reference: an example run with `--reference-ranks N` joins no job and runs no collective. One
+process trains on what N synchronous ranks see together: each step, the N ranks' batches
+concatenated (global_batches, global_order, concatenated), with the learning rate scaled by N and
+rank 0's initial weights.
+Every run prints weights_line() (on every rank), so a test can check that the ranks agree with
+each other and with the reference.
+"""
 
 from __future__ import annotations
 
@@ -39,6 +48,51 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int = 0):
         for start in range(0, len(x) - batch_size + 1, batch_size):
             rows = order[start:start + batch_size]
             yield x[rows], y[rows]
+
+
+def add_reference_argument(parser) -> None:
+    """Adds --reference-ranks N (default 0: train on the ranks of this job)."""
+    parser.add_argument("--reference-ranks", type=int, default=0, metavar="N",
+                        help="no ranks: one plain process trains on the global batch of N ranks "
+                             "(what the tests compare an N-rank run with)")
+
+
+def global_batches(x: np.ndarray, y: np.ndarray, batch_size: int, ranks: int):
+    """Endless global batches: each step, what batches() gives every rank of `ranks` from its
+    shard (every ranks-th example), concatenated in rank order."""
+    per_rank = [batches(x[rank::ranks], y[rank::ranks], batch_size) for rank in range(ranks)]
+    for step in zip(*per_rank):
+        yield tuple(np.concatenate(parts) for parts in zip(*step))
+
+
+def global_order(x: np.ndarray, y: np.ndarray, batch_size: int, ranks: int) -> tuple:
+    """x and y rearranged for fit(batch_size=batch_size * ranks, shuffle=False): batch k holds
+    batch k of every rank's equal shard (every ranks-th example), in rank order."""
+    shards = np.arange(len(x) // ranks * ranks).reshape(-1, ranks).T  # row r: rank r's rows
+    order = np.concatenate([shards[:, start:start + batch_size].ravel()
+                            for start in range(0, shards.shape[1], batch_size)])
+    return x[order], y[order]
+
+
+def concatenated(datasets: list) -> tf.data.Dataset:
+    """One element of every dataset (a batch each) per step, concatenated in order."""
+    return tf.data.Dataset.zip(tuple(datasets)).map(
+        lambda *batch: tf.nest.map_structure(lambda *parts: tf.concat(parts, 0), *batch))
+
+
+def weights_line(values: list) -> str:
+    """`weights: <sum of |w| over every array of values>`, the fingerprint a test compares."""
+    return f"weights: {sum(np.abs(v).astype(np.float64).sum() for v in values):.10g}"
+
+
+class PrintWeights(tf.compat.v1.train.SessionRunHook):
+    """Prints weights_line() of the trainable variables when the session ends (every rank)."""
+
+    def begin(self):
+        self.variables = tf.compat.v1.trainable_variables()
+
+    def end(self, session):
+        print(weights_line(session.run(self.variables)), flush=True)
 
 
 def model(x, classes):

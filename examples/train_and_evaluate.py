@@ -8,7 +8,9 @@ three times with each task's TF_CONFIG (what TFJob does on a cluster) and a shar
 PERSEUS_SECRET, waits for all three with a timeout (ending the others when one fails) and prints
 what the chief left in model_dir. With TF_CONFIG, it is one task: the chief and the worker train
 synchronously (one allreduce group, no parameter servers), the evaluator evaluates each new
-checkpoint of the chief, exports it (LatestExporter) and prints the final metrics.
+checkpoint of the chief, exports it (LatestExporter) and prints the final metrics; the chief and
+the worker print their final weights (`python examples/estimator.py --steps 30
+--reference-ranks 2` is what they must reach with --smoke).
 """
 
 import perseus_legacy as pl  # perseus_legacy (first: brings back tf.estimator)  # noqa: I001
@@ -24,6 +26,7 @@ import time
 
 import tensorflow as tf
 
+import digits
 from estimator import classifier, input_fns, session_config
 from perseusrun.launch import free_local_ports
 
@@ -40,7 +43,8 @@ def task(args: argparse.Namespace, steps: int) -> None:
     serving = tf.estimator.export.build_parsing_serving_input_receiver_fn(
         tf.feature_column.make_parse_example_spec(columns))
     tf.estimator.train_and_evaluate(
-        est, tf.estimator.TrainSpec(train_input_fn, max_steps=steps),
+        est, tf.estimator.TrainSpec(train_input_fn, max_steps=steps,
+                                    hooks=[digits.PrintWeights()]),  # chief and worker
         tf.estimator.EvalSpec(eval_input_fn, exporters=[tf.estimator.LatestExporter(
             "digits", serving)], start_delay_secs=0, throttle_secs=1))
     if config.task_type == "evaluator":
