@@ -2,7 +2,8 @@
 reference.
 
 Usage: est_distributed.py OUT_DIR distributed [SLOW_EVAL_SECONDS]   (every rank, perseusrun)
-       est_distributed.py OUT_DIR reference     (one plain process: no perseus_legacy code runs)
+       est_distributed.py OUT_DIR reference     (one plain process: no collective, no hook;
+                                                 perseus_legacy is imported only for tf.estimator)
 
 Both run the same scenarios with the same seed; the reference trains on the whole global batch
 with a plain RunConfig, each rank on its slice of it. Every process writes what it saw to
