@@ -37,8 +37,11 @@ from perseus_legacy.basics import (  # noqa: F401
     nccl_built,
     rank,
     rocm_built,
+    runtime_stats,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from perseus_legacy.compression import Compression  # noqa: F401
 from perseus_legacy.config import (  # noqa: F401

@@ -146,6 +146,35 @@ def join() -> int:
     return int(core().join())
 
 
+def runtime_stats() -> dict:
+    """This process's runtime counters since it started (they survive shutdown() and init()).
+
+    Per collective type ("allreduce", "allgather", "broadcast", "alltoall"): "tensors_submitted",
+    "bytes_submitted", "collectives_executed" (calls on the transport: fused tensors share one).
+    Totals: "fused_groups" and "tensors_fused" (tensors per fused group is their ratio),
+    "cache_hits" / "cache_misses" (tensors negotiated through the response cache / sent on to
+    the coordinator), "cache_evictions", "cache_invalidations", "coordinator_rounds",
+    "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped".
+    """
+    return dict(core().runtime_stats())
+
+
+def start_timeline(file_path: str) -> None:
+    """Starts writing this rank's timeline (Chrome trace-event JSON) to its own file.
+
+    Every rank writes `file_path` with its rank inserted before the extension (trace.json ->
+    trace.rank0.json); merge them with `python -m perseus_legacy.timeline merge OUT IN...`.
+    PERSEUS_TIMELINE=path at init() does the same.
+    """
+    require_initialized("start_timeline()")
+    core().start_timeline(str(file_path))
+
+
+def stop_timeline() -> None:
+    """Writes out and closes this rank's timeline; a no-op when none is being written."""
+    core().stop_timeline()
+
+
 def mpi_threads_supported() -> bool:
     """Whether MPI runs with MPI_THREAD_MULTIPLE (other threads may call MPI too)."""
     require_initialized("mpi_threads_supported()")

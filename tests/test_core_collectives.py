@@ -45,6 +45,10 @@ def test_stalled_tensor_is_reported_by_rank_0_with_the_missing_rank(errors_run):
     assert 'allreduce "stall.x": missing ranks [1] (submitted by ranks [0, 2]' in errors_run, \
         errors_run
     assert not re.search(r"perseus_legacy\[rank [12]\]", errors_run), "only rank 0 warns"
+    counted = {int(r): int(n) for r, n in
+               re.findall(r"\[rank (\d)\] stall warnings counted: (\d+)", errors_run)}
+    assert counted.keys() == {0, 1, 2} and counted[0] >= 1, errors_run
+    assert counted[1] == counted[2] == 0, errors_run
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)

@@ -269,6 +269,23 @@ py::tuple Alltoall(const py::object& value, const std::string& name,
   return py::make_tuple(ToArray(input.dtype(), *out), received_splits);
 }
 
+// The counters as a dict; "kind.type" names become {"kind": {"type": n}}.
+py::dict StatsDict() {
+  py::dict stats;
+  for (const auto& [name, value] : RuntimeStatsSnapshot()) {
+    const size_t dot = name.find('.');
+    if (dot == std::string::npos) {
+      stats[py::str(name)] = value;
+      continue;
+    }
+    const py::str kind(name.substr(0, dot));
+    if (!stats.contains(kind)) stats[kind] = py::dict();
+    py::dict per_type = stats[kind];
+    per_type[py::str(name.substr(dot + 1))] = value;
+  }
+  return stats;
+}
+
 }  // namespace
 }  // namespace perseus
 
@@ -357,6 +374,21 @@ PYBIND11_MODULE(_core, m) {
   m.def("take_peer_joined", &TakePeerJoined,
         "Whether a collective of this rank ran while another rank had joined, since the last "
         "call (which resets it).");
+  m.def("runtime_stats", &StatsDict,
+        "This process's runtime counters since it started: tensors and bytes submitted and "
+        "collectives executed per collective type, fused groups, response-cache hits, misses, "
+        "evictions, negotiation rounds, stall warnings.");
+  m.def(
+      "start_timeline",
+      [](const std::string& path) {
+        Status s = StartTimeline(path);
+        if (!s.ok()) throw std::runtime_error(s.message());
+      },
+      py::arg("path"),
+      "Writes this rank's timeline (Chrome trace events) to `path` with \".rank<r>\" inserted "
+      "before the extension.");
+  m.def("stop_timeline", &StopTimeline, py::call_guard<py::gil_scoped_release>(),
+        "Writes out and closes the timeline; a no-op when none runs.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("name"), py::arg("op") = 0,
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
         py::arg("out") = py::none(),

@@ -109,6 +109,8 @@ struct CollectiveRequest {
   std::vector<int64_t>* received_splits = nullptr;
 
   DoneCallback done;  // runs exactly once, on the background thread, with the op's status
+
+  int64_t submitted_us = 0;  // set by the runtime while a timeline runs: when it was submitted
 };
 
 }  // namespace perseus

@@ -70,6 +70,7 @@ ResponseList Coordinator::Answer(const std::vector<std::string>& gathered,
                                  std::string* stall_warning) {
   const auto now = Clock::now();
   ResponseList plan;
+  late_ranks_.clear();
   for (int r = 0; r < options_.size; ++r) {
     RequestList list;
     if (!Deserialize(gathered[r], &list)) {
@@ -109,7 +110,10 @@ void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) 
       p.submitted.assign(options_.size, false);
       p.first_seen = now;
     }
-    if (!p.submitted[rank]) ++p.count;
+    if (!p.submitted[rank]) {
+      ++p.count;
+      if (p.first_seen != now) p.late.push_back(rank);
+    }
     p.submitted[rank] = true;
     p.per_rank[rank] = meta;
     if (!p.ready && Ready(p)) MarkReady(meta.name, &p);
@@ -291,6 +295,7 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
   for (const std::string& name : ready_) {
     auto node = table_.extract(name);
     const PendingTensor& p = node.mapped();
+    if (!p.late.empty()) late_ranks_[name] = p.late;
     const auto first = std::find(p.submitted.begin(), p.submitted.end(), true);
     const RequestMeta& meta = p.per_rank[first - p.submitted.begin()];
     fuser.Add(Validate(name, p),

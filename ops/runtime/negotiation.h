@@ -32,6 +32,7 @@ struct PendingTensor {
   // The stall inspector's: when it last warned about this tensor.
   Clock::time_point last_warned;
   bool warned = false;
+  std::vector<int> late;  // ranks that submitted it in a later round than the first ranks
 };
 
 class Coordinator {
@@ -55,6 +56,12 @@ class Coordinator {
   // Whether tensors wait in the table (their stall checks need rounds through the coordinator).
   bool has_pending() const { return !table_.empty(); }
 
+  // Of the tensors the last Answer made ready: those some ranks submitted in a later round than
+  // others, with those late ranks (for the timeline).
+  const std::unordered_map<std::string, std::vector<int>>& late_ranks() const {
+    return late_ranks_;
+  }
+
  private:
   bool Ready(const PendingTensor& p) const;
   void MarkReady(const std::string& name, PendingTensor* p);
@@ -70,6 +77,7 @@ class Coordinator {
   int joined_count_ = 0;
   int last_joined_ = -1;
   bool join_changed_ = false;            // a rank joined this round: pending tensors may be ready
+  std::unordered_map<std::string, std::vector<int>> late_ranks_;  // of the last Answer
 };
 
 }  // namespace perseus

@@ -30,6 +30,14 @@ void FillIdentity(DataType dtype, ReduceOp op, void* data, int64_t count) {
   });
 }
 
+// The args of a collective's timeline event: its bytes, and which group of tensors it reduced.
+std::string CollectiveArgs(int64_t bytes, int64_t id, size_t tensors) {
+  return "\"bytes\":" + std::to_string(bytes) + ",\"group_id\":" + std::to_string(id) +
+         ",\"group_size\":" + std::to_string(tensors);
+}
+
+int64_t NowIf(bool timed) { return timed ? Timeline::NowMicros() : 0; }
+
 }  // namespace
 
 Status Operations::Run(const Response& response, const std::vector<CollectiveRequest*>& entries,
@@ -71,6 +79,8 @@ Status Operations::Allreduce(const Response& response,
     int64_t total = 0;
     for (size_t i : group) total += count_of(i);
     if (total == 0) continue;
+    const int64_t id = Executed(CollectiveType::kAllreduce);
+    if (group.size() > 1) stats_.Fused(static_cast<int64_t>(group.size()));
     Status s;
     if (entries.empty()) {
       // Joined: the identity of the op, so that the others reduce over the ranks with data.
@@ -89,12 +99,18 @@ Status Operations::Allreduce(const Response& response,
         ScaleBuffer(dtype, e.input, e.output, total, prescale);
         src = e.output;
       }
+      const bool timed = timeline_.enabled();
+      const int64_t start = NowIf(timed);
       s = controller_.Allreduce(src, e.output, total, dtype, response.reduce_op);
+      if (timed) {
+        Record(entries, group, "ALLREDUCE", start, Timeline::NowMicros(),
+               CollectiveArgs(total * item, id, 1), /*transport=*/true);
+      }
       if (s.ok() && integer_average) DivideIntegers(dtype, e.output, total, contributors);
       if (s.ok() && postscale != 1.0) ScaleBuffer(dtype, e.output, e.output, total, postscale);
     } else {
       s = FusedAllreduce(response, entries, group, total, prescale,
-                         integer_average ? contributors : 1, postscale);
+                         integer_average ? contributors : 1, postscale, id);
     }
     if (!s.ok()) return s;
   }
@@ -104,7 +120,10 @@ Status Operations::Allreduce(const Response& response,
 Status Operations::FusedAllreduce(const Response& response,
                                   const std::vector<CollectiveRequest*>& entries,
                                   const std::vector<size_t>& group, int64_t total,
-                                  double prescale, int64_t divisor, double postscale) {
+                                  double prescale, int64_t divisor, double postscale,
+                                  int64_t id) {
+  const bool timed = timeline_.enabled();
+  const int64_t copy_in = NowIf(timed);
   const DataType dtype = response.dtype;
   const size_t item = DataTypeSize(dtype);
   char* buffer = static_cast<char*>(fusion_.Get(total * item));
@@ -123,8 +142,10 @@ Status Operations::FusedAllreduce(const Response& response,
     }
     offset += count;
   }
+  const int64_t reduce = NowIf(timed);
   Status s = controller_.Allreduce(buffer, buffer, total, dtype, response.reduce_op);
   if (!s.ok()) return s;
+  const int64_t copy_out = NowIf(timed);
   if (divisor != 1) DivideIntegers(dtype, buffer, total, divisor);
   offset = 0;
   for (size_t i : group) {
@@ -137,7 +158,22 @@ Status Operations::FusedAllreduce(const Response& response,
     }
     offset += count;
   }
+  if (timed) {
+    Record(entries, group, "MEMCPY_IN_FUSION_BUFFER", copy_in, reduce, "");
+    Record(entries, group, "ALLREDUCE", reduce, copy_out,
+           CollectiveArgs(total * static_cast<int64_t>(item), id, group.size()),
+           /*transport=*/true);
+    Record(entries, group, "MEMCPY_OUT_FUSION_BUFFER", copy_out, Timeline::NowMicros(), "");
+  }
   return Status::OK();
+}
+
+void Operations::Record(const std::vector<CollectiveRequest*>& entries,
+                        const std::vector<size_t>& group, const char* phase, int64_t start_us,
+                        int64_t end_us, const std::string& args, bool transport) {
+  for (size_t i : group) {
+    timeline_.Record(entries[i]->name, phase, start_us, end_us, args, transport);
+  }
 }
 
 // Where to receive when the framework could not allocate an output: this rank must still take
@@ -165,7 +201,15 @@ Status Operations::Allgather(const Response& response, CollectiveRequest* e, Sta
   Status comm;
   if (!op->ok()) out = Scratch(total_bytes, op, &comm);
   if (!comm.ok() || total_bytes == 0) return comm;
-  return controller_.Allgatherv(e ? e->input : out, out, response.sizes, row_bytes);
+  const int64_t id = Executed(CollectiveType::kAllgather);
+  const bool timed = e != nullptr && timeline_.enabled();
+  const int64_t start = NowIf(timed);
+  comm = controller_.Allgatherv(e ? e->input : out, out, response.sizes, row_bytes);
+  if (timed) {
+    Record({e}, {0}, "ALLGATHER", start, Timeline::NowMicros(),
+           CollectiveArgs(static_cast<int64_t>(total_bytes), id, 1), /*transport=*/true);
+  }
+  return comm;
 }
 
 Status Operations::Broadcast(const Response& response, CollectiveRequest* e) {
@@ -181,7 +225,15 @@ Status Operations::Broadcast(const Response& response, CollectiveRequest* e) {
     out = e->output;
     if (controller_.rank() == response.root_rank) CopyBytes(out, e->input, bytes);
   }
-  return controller_.Broadcast(out, bytes, response.root_rank);
+  const int64_t id = Executed(CollectiveType::kBroadcast);
+  const bool timed = e != nullptr && timeline_.enabled();
+  const int64_t start = NowIf(timed);
+  Status s = controller_.Broadcast(out, bytes, response.root_rank);
+  if (timed) {
+    Record({e}, {0}, "BROADCAST", start, Timeline::NowMicros(), CollectiveArgs(bytes, id, 1),
+           /*transport=*/true);
+  }
+  return s;
 }
 
 Status Operations::Alltoall(const Response& response, CollectiveRequest& e, Status* op) {
@@ -208,7 +260,16 @@ Status Operations::Alltoall(const Response& response, CollectiveRequest& e, Stat
   if (op->ok() && e.received_splits != nullptr) *e.received_splits = recv;
   // Every rank knows the whole matrix, so all of them skip an empty exchange together.
   if (!comm.ok() || all_rows * row_bytes == 0) return comm;
-  return controller_.Alltoallv(e.input, send, out, recv, row_bytes);
+  const int64_t id = Executed(CollectiveType::kAlltoall);
+  const bool timed = timeline_.enabled();
+  const int64_t start = NowIf(timed);
+  comm = controller_.Alltoallv(e.input, send, out, recv, row_bytes);
+  if (timed) {
+    Record({&e}, {0}, "ALLTOALL", start, Timeline::NowMicros(),
+           CollectiveArgs(static_cast<int64_t>(out_shape[0] * row_bytes), id, 1),
+           /*transport=*/true);
+  }
+  return comm;
 }
 
 }  // namespace perseus

@@ -1,6 +1,7 @@
 // The execution of one negotiated response on this rank: how each collective turns the
 // requests' buffers into calls on the transport (allreduce: scaling, the fused / own-collective
-// split, the joined rank's identity contribution; allgather / alltoall: output allocation).
+// split, the joined rank's identity contribution; allgather / alltoall: output allocation),
+// counted in RuntimeStats and, while one runs, recorded on the timeline.
 #pragma once
 
 #include <vector>
@@ -8,14 +9,17 @@
 #include "runtime/common.h"
 #include "runtime/fusion.h"
 #include "runtime/message.h"
+#include "runtime/stats.h"
+#include "runtime/timeline.h"
 #include "transport/controller.h"
 
 namespace perseus {
 
 class Operations {
  public:
-  Operations(Controller* controller, FusionBuffer* fusion)
-      : controller_(*controller), fusion_(*fusion) {}
+  Operations(Controller* controller, FusionBuffer* fusion, RuntimeStats* stats,
+             Timeline* timeline)
+      : controller_(*controller), fusion_(*fusion), stats_(*stats), timeline_(*timeline) {}
 
   // Runs `response` with this rank's `entries` (one per name, in order; none when this rank has
   // joined and takes part without data). Returns the transport's status (a failure stops the
@@ -27,16 +31,25 @@ class Operations {
  private:
   Status Allreduce(const Response& response, const std::vector<CollectiveRequest*>& entries);
   // The tensors `group` of `entries`, `total` elements, reduced together in the fusion buffer.
+  // `id`: the collective's id for the timeline.
   Status FusedAllreduce(const Response& response, const std::vector<CollectiveRequest*>& entries,
                         const std::vector<size_t>& group, int64_t total, double prescale,
-                        int64_t divisor, double postscale);
+                        int64_t divisor, double postscale, int64_t id);
   Status Allgather(const Response& response, CollectiveRequest* entry, Status* op);
   Status Broadcast(const Response& response, CollectiveRequest* entry);
   Status Alltoall(const Response& response, CollectiveRequest& entry, Status* op);
   void* Scratch(size_t bytes, Status* op, Status* comm);
+  // Counts one collective on the transport; returns its id for the timeline.
+  int64_t Executed(CollectiveType type) { return stats_.Executed(type); }
+  // The timeline's event for `phase` of each of `entries`' tensors listed in `group`.
+  void Record(const std::vector<CollectiveRequest*>& entries, const std::vector<size_t>& group,
+              const char* phase, int64_t start_us, int64_t end_us, const std::string& args,
+              bool transport = false);
 
   Controller& controller_;
   FusionBuffer& fusion_;
+  RuntimeStats& stats_;
+  Timeline& timeline_;
 };
 
 }  // namespace perseus

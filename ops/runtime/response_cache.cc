@@ -33,11 +33,12 @@ int64_t ResponseCache::Find(const std::string& name) const {
   return it == slot_of_.end() ? kMiss : static_cast<int64_t>(it->second);
 }
 
-void ResponseCache::Put(Response response, const RequestMeta& mine) {
-  if (capacity_ == 0) return;
+bool ResponseCache::Put(Response response, const RequestMeta& mine) {
+  if (capacity_ == 0) return false;
   auto found = slot_of_.find(mine.name);
   if (found != slot_of_.end()) Erase(found->second);
-  if (free_.empty() && entries_.size() >= capacity_) Erase(recency_.back());
+  const bool evict = free_.empty() && entries_.size() >= capacity_;
+  if (evict) Erase(recency_.back());
   size_t slot;
   if (!free_.empty()) {
     slot = free_.back();
@@ -53,6 +54,7 @@ void ResponseCache::Put(Response response, const RequestMeta& mine) {
   recency_.push_front(slot);
   e.recency = recency_.begin();
   slot_of_[mine.name] = slot;
+  return evict;
 }
 
 void ResponseCache::Touch(size_t slot) {
@@ -124,6 +126,7 @@ CacheRounds::Outcome CacheRounds::Settle(const std::vector<uint64_t>& bits,
     } else if (bits[1 + slot / 64] & mask) {
       const RequestMeta& meta = cache_.mine(slot);
       cache_.Touch(slot);
+      ++outcome.hits;
       fuser.Add(cache_.response(slot),
                 NumElements(meta.shape) * static_cast<int64_t>(DataTypeSize(meta.dtype)));
     }
@@ -143,6 +146,8 @@ CacheRounds::Outcome CacheRounds::Settle(const std::vector<uint64_t>& bits,
     }
   }
   for (size_t slot : invalid) cache_.Erase(slot);
+  outcome.invalidated = static_cast<int64_t>(invalid.size());
+  outcome.misses = static_cast<int64_t>(to_coordinator_.size());
   for (const std::string& name : to_coordinator_) {
     mine->requests.push_back((*announced)[name].meta);
   }
@@ -150,13 +155,15 @@ CacheRounds::Outcome CacheRounds::Settle(const std::vector<uint64_t>& bits,
   return outcome;
 }
 
-void CacheRounds::Remember(const Response& response, AnnouncedTable* announced) {
+int64_t CacheRounds::Remember(const Response& response, AnnouncedTable* announced) {
   Response single = response;
   single.names.clear();
+  int64_t evicted = 0;
   for (const std::string& name : response.names) {
     single.names = {name};
-    cache_.Put(single, (*announced)[name].meta);
+    evicted += cache_.Put(single, (*announced)[name].meta) ? 1 : 0;
   }
+  return evicted;
 }
 
 }  // namespace perseus

@@ -34,7 +34,8 @@ class ResponseCache {
   const RequestMeta& mine(size_t slot) const { return entries_[slot].mine; }
 
   // After every rank executed `response` (one name, no joined ranks) with this rank's `mine`.
-  void Put(Response response, const RequestMeta& mine);
+  // Returns whether the least recently executed entry was evicted to make room.
+  bool Put(Response response, const RequestMeta& mine);
   void Touch(size_t slot);  // executed again
   void Erase(size_t slot);
 
@@ -72,6 +73,9 @@ class CacheRounds {
     bool full = false;        // a round through the coordinator must follow
     bool progressed = false;  // something arrived or runs: negotiate again at once
     std::vector<Response> ready;  // to execute now, in order, fused as the coordinator would
+    int64_t hits = 0;         // tensors in `ready`
+    int64_t misses = 0;       // this rank's requests sent on to the coordinator
+    int64_t invalidated = 0;  // entries dropped on every rank (changed metadata, waited long)
   };
   // Ends the round with `bits`, the AND of every rank's offer. Requests that must go through the
   // coordinator are appended to `mine`.
@@ -79,8 +83,8 @@ class CacheRounds {
                  int64_t fusion_threshold_bytes, RequestList* mine);
 
   // After every rank executed `response` with its own data (not from the cache): remember it,
-  // name by name, for the next time.
-  void Remember(const Response& response, AnnouncedTable* announced);
+  // name by name, for the next time. Returns how many entries were evicted to make room.
+  int64_t Remember(const Response& response, AnnouncedTable* announced);
   // The runtime stopped: nothing waits on the cache any more.
   void ForgetWaiting() { waiting_.clear(); }
 

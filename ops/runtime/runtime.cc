@@ -1,7 +1,8 @@
 // The runtime's one state object and its background thread. The thread makes every transport
 // call: it negotiates rounds (through the response cache, response_cache.h, and the coordinator,
 // negotiation.h) and executes the answers in order (operations.h). Requests reach it through
-// the tensor queue (tensor_queue.h).
+// the tensor queue (tensor_queue.h). It counts what it does (stats.h) and, while one runs, records
+// each tensor's phases on the timeline (timeline.h).
 #include "runtime/runtime.h"
 
 #include <algorithm>
@@ -23,7 +24,9 @@
 #include "runtime/negotiation.h"
 #include "runtime/operations.h"
 #include "runtime/response_cache.h"
+#include "runtime/stats.h"
 #include "runtime/tensor_queue.h"
+#include "runtime/timeline.h"
 #include "transport/controller.h"
 
 namespace perseus {
@@ -40,6 +43,7 @@ struct Config {
   double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
   double stall_shutdown_secs = 0.0;                     // PERSEUS_STALL_SHUTDOWN_SECS
   double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
+  std::string timeline_path;                            // PERSEUS_TIMELINE
 };
 
 Status ReadNumber(const char* name, double* value) {
@@ -64,6 +68,8 @@ Status ReadConfig(Config* config) {
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
   if (s.ok()) s = ReadNumber("PERSEUS_CACHE_CAPACITY", &config->cache_capacity);
   config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
+  const char* timeline = std::getenv("PERSEUS_TIMELINE");
+  config->timeline_path = timeline ? timeline : "";
   return s;
 }
 
@@ -93,6 +99,9 @@ class Runtime {
   int cross_size() const { return cross_size_.load(); }
   bool threads_supported() const { return threads_supported_.load(); }
   std::string controller_name() const { return tcp_ ? "tcp" : "mpi"; }
+  std::vector<std::pair<std::string, int64_t>> stats() const;
+  Status StartTimeline(const std::string& path);
+  void StopTimeline() { timeline_.Stop(); }
 
  private:
   using MessageFor = std::function<std::string(const std::string& name)>;
@@ -111,6 +120,9 @@ class Runtime {
   void FinishJoin(const Status& status, int last_joined_rank);
   void Stop(const std::string& reason, const MessageFor& message_for);
   void Log(const std::string& text) const;
+  // The timeline's QUEUED and NEGOTIATE events of this rank's `entries` of `response`.
+  void RecordNegotiation(const Response& response, const std::vector<CollectiveRequest*>& entries,
+                         bool from_cache);
 
   std::mutex init_mu_;  // serializes Init and Shutdown
   std::atomic<bool> initialized_{false};
@@ -123,6 +135,8 @@ class Runtime {
   Config config_;
   std::unique_ptr<Controller> controller_;
   std::thread thread_;
+  RuntimeStats stats_;  // since the process started; any thread reads them
+  Timeline timeline_;
 
   // Shared between Enqueue callers and the background thread.
   std::mutex mu_;
@@ -144,6 +158,7 @@ class Runtime {
   CacheRounds cache_{0};
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
   FusionBuffer fusion_;
+  int64_t round_start_us_ = 0;  // while a timeline runs: when the current round started
 };
 
 Runtime& State() {
@@ -185,6 +200,12 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   announced_.clear();
   cache_ = CacheRounds(static_cast<size_t>(config_.cache_capacity));
   joined_ = false;
+  timeline_.SetIdentity(rank_, tcp_ ? "TCP" : "MPI");
+  if (!config_.timeline_path.empty()) {
+    // Not fatal: the job runs as it would without PERSEUS_TIMELINE, and says why there is none.
+    s = timeline_.Start(Timeline::RankedPath(config_.timeline_path, rank_));
+    if (!s.ok()) Log("WARNING: PERSEUS_TIMELINE: " + s.message());
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     queue_.Clear();
@@ -213,6 +234,7 @@ void Runtime::Shutdown() {
   }
   cv_.notify_all();
   thread_.join();
+  timeline_.Stop();
   initialized_ = false;
   for (auto* value : {&rank_, &size_, &local_rank_, &local_size_, &cross_rank_, &cross_size_}) {
     *value = -1;
@@ -238,11 +260,18 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
   std::vector<Status> statuses;
   statuses.reserve(requests.size());
   bool admitted = false;
+  const int64_t now_us = timeline_.enabled() ? Timeline::NowMicros() : 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (CollectiveRequest& request : requests) {
       Status s = CheckRequest(request, initialized_);
+      const CollectiveType type = request.type;
+      const int64_t bytes =
+          s.ok() ? NumElements(request.shape) * static_cast<int64_t>(DataTypeSize(request.dtype))
+                 : 0;
+      request.submitted_us = now_us;
       if (s.ok()) s = AdmitLocked(request);
+      if (s.ok()) stats_.Submitted(type, bytes);
       admitted = admitted || s.ok();
       statuses.push_back(std::move(s));
     }
@@ -313,6 +342,8 @@ void Runtime::Loop() {
         }
       }
       fresh = queue_.AnnounceInto(&announced_);
+      // After the announcement, so that every request this round settles was submitted before.
+      round_start_us_ = timeline_.enabled() ? Timeline::NowMicros() : 0;
       mine.shutting_down = shutdown_requested_;
       if (join_state_ == JoinState::kRequested) {
         join_state_ = JoinState::kAnnounced;
@@ -350,6 +381,7 @@ bool Runtime::RunRound(const std::vector<std::string>& fresh, RequestList* mine,
 
 bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* mine,
                          bool* progressed, bool* full) {
+  RuntimeStats::Add(stats_.cache_rounds, 1);
   const bool busy_coordinator = coordinator_ && coordinator_->has_pending();
   std::vector<uint64_t> bits = cache_.Offer(
       fresh, &announced_, mine->shutting_down || mine->joined || busy_coordinator, joined_);
@@ -360,6 +392,9 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
       cache_.Settle(bits, &announced_, config_.fusion_threshold_bytes, mine);
   *full = outcome.full;
   *progressed = outcome.progressed;
+  RuntimeStats::Add(stats_.cache_hits, outcome.hits);
+  RuntimeStats::Add(stats_.cache_misses, outcome.misses);
+  RuntimeStats::Add(stats_.cache_invalidations, outcome.invalidated);
   for (const Response& response : outcome.ready) {
     if (!Execute(response, /*from_cache=*/true)) return false;
   }
@@ -367,6 +402,7 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
 }
 
 bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
+  RuntimeStats::Add(stats_.coordinator_rounds, 1);
   std::vector<std::string> gathered;
   Status s = controller_->GatherToCoordinator(Serialize(mine), &gathered);
   std::string answer;
@@ -374,7 +410,10 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
   if (s.ok() && coordinator_) {
     std::string warning;
     const ResponseList plan = coordinator_->Answer(gathered, &warning);
-    if (!warning.empty()) Log(warning);
+    if (!warning.empty()) {
+      RuntimeStats::Add(stats_.stall_warnings, 1);
+      Log(warning);
+    }
     answer = Serialize(plan);
     for (const Response& response : plan.responses) {
       final_answer = final_answer || response.type == ResponseType::kShutdown ||
@@ -441,8 +480,10 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
     entries.push_back(&it->second.request);
   }
 
+  if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
   Status op;
-  const Status comm = Operations(controller_.get(), &fusion_).Run(response, entries, &op);
+  const Status comm =
+      Operations(controller_.get(), &fusion_, &stats_, &timeline_).Run(response, entries, &op);
   if (!comm.ok()) {
     const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
                                comm.message();
@@ -452,7 +493,8 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
     return false;
   }
   if (!from_cache && response.joined_ranks.empty()) {
-    cache_.Remember(response, &announced_);  // every rank executed it with its own data
+    // Every rank executed it with its own data.
+    RuntimeStats::Add(stats_.cache_evictions, cache_.Remember(response, &announced_));
   }
   if (!without_data) {
     if (!response.joined_ranks.empty()) peer_joined_ = true;  // before the op's done callback
@@ -469,7 +511,32 @@ void Runtime::Complete(const std::vector<std::string>& names, const Status& stat
   }
   for (const std::string& name : names) {
     auto node = announced_.extract(name);
-    if (!node.empty()) node.mapped().request.done(status);
+    if (node.empty()) continue;
+    const bool timed = timeline_.enabled();
+    const int64_t start = timed ? Timeline::NowMicros() : 0;
+    node.mapped().request.done(status);
+    if (timed) timeline_.Record(name, "CALLBACK", start, Timeline::NowMicros());
+  }
+}
+
+void Runtime::RecordNegotiation(const Response& response,
+                                const std::vector<CollectiveRequest*>& entries,
+                                bool from_cache) {
+  const int64_t now = Timeline::NowMicros();
+  const int64_t round_start = round_start_us_ ? round_start_us_ : now;
+  for (const CollectiveRequest* e : entries) {
+    if (e->submitted_us != 0) {  // submitted while the timeline ran
+      std::string args;
+      if (coordinator_ && !from_cache) {
+        auto late = coordinator_->late_ranks().find(e->name);
+        if (late != coordinator_->late_ranks().end()) {
+          args = "\"late_ranks\":" + RankList(late->second);
+        }
+      }
+      timeline_.Record(e->name, "QUEUED", e->submitted_us, round_start, std::move(args));
+    }
+    timeline_.Record(e->name, "NEGOTIATE", round_start, now,
+                     std::string("\"cache_hit\":") + (from_cache ? "true" : "false"));
   }
 }
 
@@ -485,6 +552,21 @@ void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
   cache_.ForgetWaiting();
   for (CollectiveRequest& request : queued) request.done(Status::Error(message_for(request.name)));
   FinishJoin(Status::Error("perseus_legacy: join() failed: " + reason), -1);
+}
+
+std::vector<std::pair<std::string, int64_t>> Runtime::stats() const {
+  std::vector<std::pair<std::string, int64_t>> all = stats_.Snapshot();
+  all.emplace_back("timeline_events_dropped", timeline_.dropped());
+  return all;
+}
+
+Status Runtime::StartTimeline(const std::string& path) {
+  std::lock_guard<std::mutex> init_lock(init_mu_);
+  if (!initialized_) {
+    return Status::Error("perseus_legacy has not been initialized: call perseus_legacy.init() "
+                         "before start_timeline()");
+  }
+  return timeline_.Start(Timeline::RankedPath(path, rank_));
 }
 
 void Runtime::Log(const std::string& text) const {
@@ -517,6 +599,9 @@ std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
   return State().EnqueueAll(std::move(requests));
 }
 Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
+std::vector<std::pair<std::string, int64_t>> RuntimeStatsSnapshot() { return State().stats(); }
+Status StartTimeline(const std::string& path) { return State().StartTimeline(path); }
+void StopTimeline() { State().StopTimeline(); }
 bool TakePeerJoined() { return State().TakePeerJoined(); }
 
 }  // namespace perseus

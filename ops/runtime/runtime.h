@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/common.h"
@@ -16,7 +17,7 @@ namespace perseus {
 // while initialized is a no-op returning OK. Blocks until every rank has initialized.
 // Reads the PERSEUS_* settings (FUSION_THRESHOLD bytes, default 64 MiB; CYCLE_TIME ms, 1.0;
 // STALL_WARNING_SECS, 60; STALL_SHUTDOWN_SECS, 0 = never; CACHE_CAPACITY, 1024, 0 = no response
-// cache) on each call that initializes.
+// cache; TIMELINE, a path, unset = no timeline) on each call that initializes.
 // Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
 Status Init(intptr_t mpi_comm_handle);
@@ -64,6 +65,18 @@ Status Enqueue(CollectiveRequest request);
 // rank whose Join arrived last. Fails, naming the rank, when a rank shuts down or the
 // transport fails, and when a Join is already in progress on this rank.
 Status Join(int* last_joined_rank);
+
+// This process's counters since it started (see stats.h), by name: "tensors_submitted.allreduce",
+// "collectives_executed.allreduce", "fused_groups", "cache_hits", "coordinator_rounds", ...
+std::vector<std::pair<std::string, int64_t>> RuntimeStatsSnapshot();
+
+// Starts writing this rank's timeline (timeline.h) to `path` with ".rank<r>" inserted before the
+// extension. An error when not initialized, when a timeline runs, or when the file cannot be
+// opened. PERSEUS_TIMELINE=path at Init does the same.
+Status StartTimeline(const std::string& path);
+// Writes out what is queued and closes the file; a no-op when no timeline runs. Shutdown stops
+// the timeline too.
+void StopTimeline();
 
 // Whether a collective of this rank ran while another rank had joined (its data was missing),
 // since the previous call; the call resets it. A rank learns this way, without a collective of

@@ -98,6 +98,8 @@ def check_stall_warning(rank: int) -> None:
     if worker.is_alive():
         fail(rank, "stall.x never completed once rank 1 submitted it")
     assert_close(rank, "stall.x", result["out"], np.full(2, 3.0))
+    print(f"[rank {rank}] stall warnings counted: "
+          f"{_core.runtime_stats()['stall_warnings']}", flush=True)
 
 
 def check_reinit_on_subcommunicator(rank: int) -> None:

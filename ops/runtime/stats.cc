@@ -1,0 +1,27 @@
+// The runtime's counters (see stats.h).
+#include "runtime/stats.h"
+
+namespace perseus {
+
+std::vector<std::pair<std::string, int64_t>> RuntimeStats::Snapshot() const {
+  auto get = [](const std::atomic<int64_t>& c) { return c.load(std::memory_order_relaxed); };
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (int i = 0; i < kTypes; ++i) {
+    const std::string type = CollectiveTypeName(static_cast<CollectiveType>(i));
+    out.emplace_back("tensors_submitted." + type, get(tensors_submitted_[i]));
+    out.emplace_back("bytes_submitted." + type, get(bytes_submitted_[i]));
+    out.emplace_back("collectives_executed." + type, get(collectives_executed_[i]));
+  }
+  out.emplace_back("fused_groups", get(fused_groups_));
+  out.emplace_back("tensors_fused", get(tensors_fused_));
+  out.emplace_back("cache_hits", get(cache_hits));
+  out.emplace_back("cache_misses", get(cache_misses));
+  out.emplace_back("cache_evictions", get(cache_evictions));
+  out.emplace_back("cache_invalidations", get(cache_invalidations));
+  out.emplace_back("coordinator_rounds", get(coordinator_rounds));
+  out.emplace_back("cache_rounds", get(cache_rounds));
+  out.emplace_back("stall_warnings", get(stall_warnings));
+  return out;
+}
+
+}  // namespace perseus

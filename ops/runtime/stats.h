@@ -1,0 +1,61 @@
+// The runtime's counters (RuntimeStats): what was submitted, what ran, how it was fused and
+// negotiated. Always on: each update is one relaxed atomic add on a counter of the runtime's one
+// state object; a snapshot reads them all without stopping the runtime.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runtime/common.h"
+
+namespace perseus {
+
+class RuntimeStats {
+ public:
+  static constexpr int kTypes = 4;  // CollectiveType: allreduce, allgather, broadcast, alltoall
+
+  void Submitted(CollectiveType type, int64_t bytes) {
+    Add(tensors_submitted_[Index(type)], 1);
+    Add(bytes_submitted_[Index(type)], bytes);
+  }
+  // One collective on the transport; returns its index among this rank's collectives (a
+  // timeline event's id for it).
+  int64_t Executed(CollectiveType type) {
+    Add(collectives_executed_[Index(type)], 1);
+    return collective_ids_.fetch_add(1, std::memory_order_relaxed);
+  }
+  void Fused(int64_t tensors) {
+    Add(fused_groups_, 1);
+    Add(tensors_fused_, tensors);
+  }
+
+  std::atomic<int64_t> cache_hits{0};           // tensors run from the response cache
+  std::atomic<int64_t> cache_misses{0};         // tensors the cache sent to the coordinator
+  std::atomic<int64_t> cache_evictions{0};      // entries evicted to make room (least recent)
+  std::atomic<int64_t> cache_invalidations{0};  // entries dropped: metadata changed, waited long
+  std::atomic<int64_t> coordinator_rounds{0};
+  std::atomic<int64_t> cache_rounds{0};
+  std::atomic<int64_t> stall_warnings{0};       // warnings rank 0 logged about stalled tensors
+
+  static void Add(std::atomic<int64_t>& counter, int64_t n) {
+    counter.fetch_add(n, std::memory_order_relaxed);
+  }
+
+  // Every counter by name: "tensors_submitted.allreduce", "cache_hits", ...
+  std::vector<std::pair<std::string, int64_t>> Snapshot() const;
+
+ private:
+  static int Index(CollectiveType type) { return static_cast<int>(type) % kTypes; }
+
+  std::atomic<int64_t> tensors_submitted_[kTypes] = {};
+  std::atomic<int64_t> bytes_submitted_[kTypes] = {};
+  std::atomic<int64_t> collectives_executed_[kTypes] = {};
+  std::atomic<int64_t> fused_groups_{0};
+  std::atomic<int64_t> tensors_fused_{0};
+  std::atomic<int64_t> collective_ids_{0};
+};
+
+}  // namespace perseus
