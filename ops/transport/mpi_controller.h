@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -34,9 +35,12 @@ class MpiController : public Controller {
   int cross_size() const override { return cross_size_; }
   bool threads_supported() const override { return threads_multiple_; }
   std::string name() const override { return "mpi"; }
+  // An idle rank joins a round only once a heartbeat (1 s, runtime.cc), so a wait shorter than
+  // a few heartbeats says nothing about a rank: the limits are at least kMinWaitSecs.
+  static constexpr double kMinWaitSecs = 3.0;
   void SetWaitLimits(double warning_secs, double shutdown_secs) override {
-    warning_secs_ = warning_secs;
-    shutdown_secs_ = shutdown_secs;
+    warning_secs_ = warning_secs > 0 ? std::max(warning_secs, kMinWaitSecs) : 0;
+    shutdown_secs_ = shutdown_secs > 0 ? std::max(shutdown_secs, kMinWaitSecs) : 0;
   }
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
