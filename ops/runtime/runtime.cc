@@ -41,7 +41,13 @@ struct Config {
   int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
   double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
   double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
-  double stall_shutdown_secs = 0.0;                     // PERSEUS_STALL_SHUTDOWN_SECS
+  // PERSEUS_STALL_SHUTDOWN_SECS: also bounds every wait on a rank that stopped answering (MPI).
+  // Ranks keep answering rounds from their background thread while their Python code is busy,
+  // and the Estimator's chief gate answers through rank 0's evaluations and checkpoints, so
+  // only a frozen process, a dead host or a cut link stays silent this long. 5 minutes stays
+  // clear of long but healthy pauses (a rank paged out, a slow checkpoint under a hook of
+  // one's own) and does not let a dead host hold a whole cluster for hours.
+  double stall_shutdown_secs = 300.0;
   double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
   std::string timeline_path;                            // PERSEUS_TIMELINE
 };
@@ -180,6 +186,7 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   config_ = config;
   peer_joined_ = false;
   controller_ = std::move(controller);
+  controller_->SetWaitLimits(config_.stall_warning_secs, config_.stall_shutdown_secs);
   tcp_ = tcp != nullptr;
   rank_ = controller_->rank();
   size_ = controller_->size();

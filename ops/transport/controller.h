@@ -25,6 +25,11 @@ class Controller {
   virtual int cross_size() const = 0;
   virtual bool threads_supported() const = 0;
   virtual std::string name() const = 0;
+  // How long a wait on other ranks may last before a warning naming the ranks that do not
+  // answer (`warning_secs`) and before the wait fails (`shutdown_secs`); <= 0: never. The
+  // runtime passes PERSEUS_STALL_WARNING_SECS / PERSEUS_STALL_SHUTDOWN_SECS once after set-up.
+  // A transport with its own bound (TCP: kPeerSilenceSecs) may ignore them.
+  virtual void SetWaitLimits(double /*warning_secs*/, double /*shutdown_secs*/) {}
 
   // Control plane. Collective: every rank calls each once per negotiation round.
   // `all` receives every rank's bytes on the coordinator (rank 0) and is left empty elsewhere.

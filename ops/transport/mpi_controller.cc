@@ -1,10 +1,12 @@
-// The MPI transport: set-up of its communicators, the control plane in fixed-size slots, and
-// the collectives, with our own reduction functions for float16 / bfloat16.
+// The MPI transport: set-up of its communicators, the control plane in fixed-size slots, the
+// collectives, with our own reduction functions for float16 / bfloat16, and the bounded waits that
+// turn a frozen or unreachable rank into an error naming it.
 #include "transport/mpi_controller.h"
 
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <thread>
 #include <type_traits>
@@ -20,6 +22,9 @@ constexpr size_t kSlotBytes = 2048;
 constexpr size_t kHeaderBytes = sizeof(uint64_t);
 constexpr size_t kSlotPayload = kSlotBytes - kHeaderBytes;
 constexpr int kOverflowTag = 17;
+constexpr int kSlotTag = 18;
+constexpr int kAnswerTag = 19;
+constexpr int kAnswerOverflowTag = 20;
 
 Status Check(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
@@ -176,6 +181,20 @@ Status MpiController::Setup(intptr_t comm_handle) {
     if (!s.ok()) return s;
   }
 
+  // Host names, so that a rank that stops answering can be named with its host.
+  std::vector<char> name(MPI_MAX_PROCESSOR_NAME, '\0');
+  std::vector<char> names(static_cast<size_t>(MPI_MAX_PROCESSOR_NAME) * size_, '\0');
+  int name_length = 0;
+  MPI_Get_processor_name(name.data(), &name_length);
+  s = Check(MPI_Allgather(name.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(),
+                          MPI_MAX_PROCESSOR_NAME, MPI_CHAR, control_),
+            "MPI_Allgather");
+  if (!s.ok()) return s;
+  for (int r = 0; r < size_; ++r) {
+    const char* host = names.data() + static_cast<size_t>(MPI_MAX_PROCESSOR_NAME) * r;
+    hosts_.emplace_back(host, strnlen(host, MPI_MAX_PROCESSOR_NAME));
+  }
+
   slot_.resize(kSlotBytes);
   if (rank_ == 0) gather_slots_.resize(kSlotBytes * size_);
   return Check(MPI_Barrier(control_), "MPI_Barrier");
@@ -185,6 +204,15 @@ MpiController::~MpiController() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  if (!failed_.ok()) {
+    // A rank stopped answering: freeing the communicators or MPI_Finalize would wait for it
+    // forever, and so would mpi4py's finalize at exit. End the job, as mpirun does when a rank
+    // exits with an error; the reason is already on stderr.
+    std::fprintf(stderr, "perseus_legacy[rank %d]: aborting the MPI job: %s\n", rank_,
+                 failed_.message().c_str());
+    std::fflush(stderr);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
   for (auto* ops : {&half_ops_, &bfloat16_ops_}) {
     for (MPI_Op& op : *ops) {
       if (op != MPI_OP_NULL) MPI_Op_free(&op);
@@ -199,105 +227,185 @@ MpiController::~MpiController() {
   if (owns_mpi_) MPI_Finalize();
 }
 
+std::string MpiController::Describe(const std::vector<int>& ranks) const {
+  std::string text;
+  for (int r : ranks) {
+    if (!text.empty()) text += ", ";
+    text += "rank " + std::to_string(r);
+    if (r >= 0 && r < static_cast<int>(hosts_.size())) text += " (host " + hosts_[r] + ")";
+  }
+  return text;
+}
+
 // Open MPI's blocking calls busy-poll a core. Ranks share few cores and a control-plane wait can
 // last until an idle rank's next heartbeat, so poll briefly, then yield, then sleep a fraction of
 // the time already waited (bounded, so a late arrival costs at most a few percent of the wait).
-Status MpiController::Wait(MPI_Request* request, const char* what) {
+// A data transfer is only progressed by these polls: it yields for its first second instead.
+// Past warning_secs_ the ranks still awaited are named on stderr (again every warning_secs_);
+// past shutdown_secs_ the wait fails and the controller is unusable (see the destructor).
+Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector<int>& peers,
+                           const char* what, bool control) {
   using std::chrono::microseconds;
+  if (!failed_.ok()) return failed_;
   const auto start = Clock::now();
+  const microseconds eager = control ? microseconds(200) : microseconds(1000000);
+  double next_warning = warning_secs_;
   while (true) {
-    int done = 0;
-    int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
-    if (rc != MPI_SUCCESS) return Check(rc, what);
-    if (done) return Status::OK();
+    std::vector<int> waiting;
+    for (size_t i = 0; i < requests->size(); ++i) {
+      MPI_Request& request = (*requests)[i];
+      if (request == MPI_REQUEST_NULL) continue;
+      int done = 0;
+      const int rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+      if (rc != MPI_SUCCESS) return failed_ = Check(rc, what);
+      if (!done) waiting.push_back(peers[i]);
+    }
+    if (waiting.empty()) return Status::OK();
     const auto waited = std::chrono::duration_cast<microseconds>(Clock::now() - start);
+    const double secs = std::chrono::duration<double>(waited).count();
+    const bool give_up = shutdown_secs_ > 0 && secs >= shutdown_secs_;
+    if (give_up || (warning_secs_ > 0 && secs >= next_warning)) {
+      std::sort(waiting.begin(), waiting.end());
+      waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
+      const bool known = waiting.front() >= 0;
+      const std::string during = control ? "negotiation" : "a collective";
+      if (give_up) {
+        const std::string who =
+            known ? Describe(waiting) + " stopped responding: nothing from ranks " +
+                        RankList(waiting)
+                  : std::string("a rank stopped taking part in ") + what + ": nothing";
+        failed_ = Status::Error(
+            "perseus_legacy: " + who + " for " + NumberString(static_cast<int64_t>(secs)) +
+            " s during " + during + " (PERSEUS_STALL_SHUTDOWN_SECS=" +
+            NumberString(shutdown_secs_) +
+            "); the rank is frozen, stopped, or its host is unreachable");
+        std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank_, failed_.message().c_str());
+        std::fflush(stderr);
+        return failed_;
+      }
+      std::fprintf(stderr,
+                   "perseus_legacy[rank %d]: WARNING: waiting %s s for %s to answer in %s "
+                   "(%s, PERSEUS_STALL_WARNING_SECS=%s); a rank may be frozen, stopped, or its "
+                   "host unreachable\n",
+                   rank_, NumberString(static_cast<int64_t>(secs)).c_str(),
+                   known ? Describe(waiting).c_str() : "the other ranks", what, during.c_str(),
+                   NumberString(warning_secs_).c_str());
+      std::fflush(stderr);
+      next_warning += warning_secs_;
+    }
     if (waited < microseconds(20)) continue;
-    if (waited < microseconds(200)) {
+    if (waited < eager) {
       std::this_thread::yield();
       continue;
     }
-    std::this_thread::sleep_for(std::clamp(waited / 16, microseconds(20), microseconds(250)));
+    std::this_thread::sleep_for(std::clamp(waited / 16, microseconds(20),
+                                           control ? microseconds(250) : microseconds(1000)));
   }
 }
 
+// The control plane is point-to-point between rank 0 and each rank, so that a wait knows which
+// ranks have not answered yet.
 Status MpiController::GatherToCoordinator(const std::string& mine,
                                           std::vector<std::string>* all) {
+  if (!failed_.ok()) return failed_;
   const uint64_t length = mine.size();
   std::memcpy(slot_.data(), &length, kHeaderBytes);
   std::memcpy(slot_.data() + kHeaderBytes, mine.data(), std::min<size_t>(length, kSlotPayload));
-  MPI_Request request;
-  Status s = Check(MPI_Igather(slot_.data(), kSlotBytes, MPI_BYTE, gather_slots_.data(),
-                               kSlotBytes, MPI_BYTE, 0, control_, &request),
-                   "MPI_Igather");
-  if (s.ok()) s = Wait(&request, "MPI_Igather");
-  if (!s.ok()) return s;
-
+  std::vector<MPI_Request> requests;
+  std::vector<int> peers;
   if (rank_ != 0) {
-    if (length <= kSlotPayload) return Status::OK();
-    s = Check(MPI_Isend(mine.data() + kSlotPayload, static_cast<int>(length - kSlotPayload),
-                        MPI_BYTE, 0, kOverflowTag, control_, &request),
-              "MPI_Isend");
-    return s.ok() ? Wait(&request, "MPI_Isend") : s;
+    requests.emplace_back();
+    peers.push_back(0);
+    Status s = Check(MPI_Isend(slot_.data(), kSlotBytes, MPI_BYTE, 0, kSlotTag, control_,
+                               &requests.back()),
+                     "MPI_Isend");
+    if (s.ok() && length > kSlotPayload) {
+      requests.emplace_back();
+      peers.push_back(0);
+      s = Check(MPI_Isend(mine.data() + kSlotPayload, static_cast<int>(length - kSlotPayload),
+                          MPI_BYTE, 0, kOverflowTag, control_, &requests.back()),
+                "MPI_Isend");
+    }
+    return s.ok() ? Wait(&requests, peers, "sending to the coordinator", true) : s;
   }
 
+  for (int r = 1; r < size_; ++r) {
+    requests.emplace_back();
+    peers.push_back(r);
+    Status s = Check(MPI_Irecv(gather_slots_.data() + kSlotBytes * r, kSlotBytes, MPI_BYTE, r,
+                               kSlotTag, control_, &requests.back()),
+                     "MPI_Irecv");
+    if (!s.ok()) return s;
+  }
+  Status s = Wait(&requests, peers, "the coordinator's gather", true);
+  if (!s.ok()) return s;
+
   all->assign(size_, std::string());
-  std::vector<MPI_Request> overflow;
-  for (int r = 0; r < size_; ++r) {
+  (*all)[0] = mine;
+  requests.clear();
+  peers.clear();
+  for (int r = 1; r < size_; ++r) {
     const char* slot = gather_slots_.data() + kSlotBytes * r;
     uint64_t n = 0;
     std::memcpy(&n, slot, kHeaderBytes);
     std::string& bytes = (*all)[r];
     bytes.assign(slot + kHeaderBytes, std::min<size_t>(n, kSlotPayload));
     if (n <= kSlotPayload) continue;
-    if (r == 0) {
-      bytes = mine;
-      continue;
-    }
     bytes.resize(n);
-    overflow.emplace_back();
+    requests.emplace_back();
+    peers.push_back(r);
     s = Check(MPI_Irecv(&bytes[kSlotPayload], static_cast<int>(n - kSlotPayload), MPI_BYTE, r,
-                        kOverflowTag, control_, &overflow.back()),
+                        kOverflowTag, control_, &requests.back()),
               "MPI_Irecv");
     if (!s.ok()) return s;
   }
-  for (MPI_Request& r : overflow) {
-    s = Wait(&r, "MPI_Irecv");
-    if (!s.ok()) return s;
-  }
-  return Status::OK();
+  return Wait(&requests, peers, "the coordinator's gather", true);
 }
 
 Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
+  if (!failed_.ok()) return failed_;
+  std::vector<MPI_Request> requests;
+  std::vector<int> peers;
   if (rank_ == 0) {
     const uint64_t length = bytes->size();
     std::memcpy(slot_.data(), &length, kHeaderBytes);
     std::memcpy(slot_.data() + kHeaderBytes, bytes->data(),
                 std::min<size_t>(length, kSlotPayload));
+    for (int r = 1; r < size_; ++r) {
+      for (const bool overflow : {false, true}) {
+        if (overflow && length <= kSlotPayload) continue;
+        requests.emplace_back();
+        peers.push_back(r);
+        const Status s =
+            overflow ? Check(MPI_Isend(bytes->data() + kSlotPayload,
+                                       static_cast<int>(length - kSlotPayload), MPI_BYTE, r,
+                                       kAnswerOverflowTag, control_, &requests.back()),
+                             "MPI_Isend")
+                     : Check(MPI_Isend(slot_.data(), kSlotBytes, MPI_BYTE, r, kAnswerTag,
+                                       control_, &requests.back()),
+                             "MPI_Isend");
+        if (!s.ok()) return s;
+      }
+    }
+    return Wait(&requests, peers, "the coordinator's answer", true);
   }
-  MPI_Request request;
-  Status s = Check(MPI_Ibcast(slot_.data(), kSlotBytes, MPI_BYTE, 0, control_, &request),
-                   "MPI_Ibcast");
-  if (s.ok()) s = Wait(&request, "MPI_Ibcast");
+  requests.emplace_back();
+  peers.push_back(0);
+  Status s = Check(MPI_Irecv(slot_.data(), kSlotBytes, MPI_BYTE, 0, kAnswerTag, control_,
+                             &requests.back()),
+                   "MPI_Irecv");
+  if (s.ok()) s = Wait(&requests, peers, "the coordinator's answer", true);
   if (!s.ok()) return s;
   uint64_t length = 0;
   std::memcpy(&length, slot_.data(), kHeaderBytes);
-  if (rank_ != 0) {
-    bytes->assign(slot_.data() + kHeaderBytes, std::min<size_t>(length, kSlotPayload));
-    bytes->resize(length);
-  }
+  bytes->assign(slot_.data() + kHeaderBytes, std::min<size_t>(length, kSlotPayload));
+  bytes->resize(length);
   if (length <= kSlotPayload) return Status::OK();
-  s = Check(MPI_Ibcast(&(*bytes)[kSlotPayload], static_cast<int>(length - kSlotPayload),
-                       MPI_BYTE, 0, control_, &request),
-            "MPI_Ibcast");
-  return s.ok() ? Wait(&request, "MPI_Ibcast") : s;
-}
-
-Status MpiController::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
-  MPI_Request request;
-  Status s = Check(MPI_Iallreduce(MPI_IN_PLACE, bits->data(), static_cast<int>(bits->size()),
-                                  MPI_UINT64_T, MPI_BAND, control_, &request),
-                   "MPI_Iallreduce");
-  return s.ok() ? Wait(&request, "MPI_Iallreduce") : s;
+  requests.assign(1, MPI_REQUEST_NULL);
+  s = Check(MPI_Irecv(&(*bytes)[kSlotPayload], static_cast<int>(length - kSlotPayload), MPI_BYTE,
+                      0, kAnswerOverflowTag, control_, &requests.back()),
+            "MPI_Irecv");
+  return s.ok() ? Wait(&requests, peers, "the coordinator's answer", true) : s;
 }
 
 MPI_Datatype MpiController::Type(DataType dtype) const {
@@ -339,7 +447,10 @@ Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataTy
     const int n = static_cast<int>(std::min<int64_t>(count - done, INT_MAX));
     char* dst = static_cast<char*>(out) + done * item;
     const void* src = in == out ? MPI_IN_PLACE : static_cast<const char*>(in) + done * item;
-    Status s = Check(MPI_Allreduce(src, dst, n, type, mpi_op, data_), "MPI_Allreduce");
+    std::vector<MPI_Request> request(1);
+    Status s = Check(MPI_Iallreduce(src, dst, n, type, mpi_op, data_, request.data()),
+                     "MPI_Iallreduce");
+    if (s.ok()) s = Wait(&request, {-1}, "MPI_Iallreduce", false);
     if (!s.ok()) return s;
     done += n;
   }
@@ -348,20 +459,26 @@ Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataTy
 
 Status MpiController::Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
                                  size_t unit_bytes) {
+  if (!failed_.ok()) return failed_;
   VectorLayout layout;
   Status s = layout.Build(counts, unit_bytes);
   if (!s.ok()) return s;
-  return Check(MPI_Allgatherv(in, layout.counts()[rank_], layout.type(), out, layout.counts(),
-                              layout.displs(), layout.type(), data_),
-               "MPI_Allgatherv");
+  std::vector<MPI_Request> request(1);
+  s = Check(MPI_Iallgatherv(in, layout.counts()[rank_], layout.type(), out, layout.counts(),
+                            layout.displs(), layout.type(), data_, request.data()),
+            "MPI_Iallgatherv");
+  return s.ok() ? Wait(&request, {-1}, "MPI_Iallgatherv", false) : s;
 }
 
 Status MpiController::Broadcast(void* data, int64_t bytes, int root) {
   constexpr int64_t kChunk = int64_t{1} << 30;
   for (int64_t done = 0; done < bytes; done += kChunk) {
     const int n = static_cast<int>(std::min(bytes - done, kChunk));
-    Status s = Check(MPI_Bcast(static_cast<char*>(data) + done, n, MPI_BYTE, root, data_),
-                     "MPI_Bcast");
+    std::vector<MPI_Request> request(1);
+    Status s = Check(MPI_Ibcast(static_cast<char*>(data) + done, n, MPI_BYTE, root, data_,
+                                request.data()),
+                     "MPI_Ibcast");
+    if (s.ok()) s = Wait(&request, {-1}, "MPI_Ibcast", false);
     if (!s.ok()) return s;
   }
   return Status::OK();
@@ -370,15 +487,22 @@ Status MpiController::Broadcast(void* data, int64_t bytes, int root) {
 Status MpiController::Alltoallv(const void* in, const std::vector<int64_t>& send_counts,
                                 void* out, const std::vector<int64_t>& recv_counts,
                                 size_t unit_bytes) {
+  if (!failed_.ok()) return failed_;
   VectorLayout send, recv;
   Status s = send.Build(send_counts, unit_bytes);
   if (s.ok()) s = recv.Build(recv_counts, unit_bytes);
   if (!s.ok()) return s;
-  return Check(MPI_Alltoallv(in, send.counts(), send.displs(), send.type(), out, recv.counts(),
-                             recv.displs(), recv.type(), data_),
-               "MPI_Alltoallv");
+  std::vector<MPI_Request> request(1);
+  s = Check(MPI_Ialltoallv(in, send.counts(), send.displs(), send.type(), out, recv.counts(),
+                           recv.displs(), recv.type(), data_, request.data()),
+            "MPI_Ialltoallv");
+  return s.ok() ? Wait(&request, {-1}, "MPI_Ialltoallv", false) : s;
 }
 
-Status MpiController::Barrier() { return Check(MPI_Barrier(data_), "MPI_Barrier"); }
+Status MpiController::Barrier() {
+  std::vector<MPI_Request> request(1);
+  Status s = Check(MPI_Ibarrier(data_, request.data()), "MPI_Ibarrier");
+  return s.ok() ? Wait(&request, {-1}, "MPI_Ibarrier", false) : s;
+}
 
 }  // namespace perseus

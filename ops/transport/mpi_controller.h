@@ -1,9 +1,14 @@
-// The Controller over MPI: control plane on one duplicated communicator (nonblocking, polled with
-// a backoff so a waiting rank does not hold a shared core), data plane on another.
+// The Controller over MPI: control plane on one duplicated communicator (point-to-point between
+// rank 0 and each rank, nonblocking, polled with a backoff so a waiting rank does not hold a
+// shared core), data plane on another (nonblocking collectives, polled). Every wait is bounded by
+// the wait limits: past the warning limit it names the ranks (and hosts) that do not answer,
+// past the shutdown limit it fails, and from then on the controller makes no MPI call that could
+// wait on the lost rank (its destructor aborts the job instead of finalizing).
 #pragma once
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -30,10 +35,16 @@ class MpiController : public Controller {
   int cross_size() const override { return cross_size_; }
   bool threads_supported() const override { return threads_multiple_; }
   std::string name() const override { return "mpi"; }
+  // An idle rank joins a round only once a heartbeat (1 s, runtime.cc), so a wait shorter than
+  // a few heartbeats says nothing about a rank: the limits are at least kMinWaitSecs.
+  static constexpr double kMinWaitSecs = 3.0;
+  void SetWaitLimits(double warning_secs, double shutdown_secs) override {
+    warning_secs_ = warning_secs > 0 ? std::max(warning_secs, kMinWaitSecs) : 0;
+    shutdown_secs_ = shutdown_secs > 0 ? std::max(shutdown_secs, kMinWaitSecs) : 0;
+  }
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
   Status BroadcastFromCoordinator(std::string* bytes) override;
-  Status AllreduceBitsAnd(std::vector<uint64_t>* bits) override;
 
   Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
                    ReduceOp op) override;
@@ -47,7 +58,11 @@ class MpiController : public Controller {
  private:
   friend Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
   Status Setup(intptr_t comm_handle);
-  Status Wait(MPI_Request* request, const char* what);
+  // Waits for every request; `peers[i]`: the rank request i waits on (-1: any, a collective).
+  // `control`: a negotiation round (polled gently) rather than a data transfer (polled eagerly).
+  Status Wait(std::vector<MPI_Request>* requests, const std::vector<int>& peers,
+              const char* what, bool control);
+  std::string Describe(const std::vector<int>& ranks) const;
   MPI_Datatype Type(DataType dtype) const;
   MPI_Op Op(DataType dtype, ReduceOp op) const;
 
@@ -65,6 +80,10 @@ class MpiController : public Controller {
   MPI_Datatype bfloat16_type_ = MPI_DATATYPE_NULL;
   std::array<MPI_Op, 4> half_ops_;  // Sum (also Average), Min, Max, Product
   std::array<MPI_Op, 4> bfloat16_ops_;
+
+  double warning_secs_ = 0, shutdown_secs_ = 0;
+  std::vector<std::string> hosts_;  // every rank's MPI_Get_processor_name, exchanged at set-up
+  Status failed_;                   // the first wait that failed; every later call returns it
 
   std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
   std::vector<char> slot_;

@@ -41,13 +41,14 @@ std::vector<int> TcpController::ControlPeers() const {
   return out;
 }
 
-// Reads what `peer`'s control socket has; parses complete frames. An abort notice or a closed
-// socket ends the pumping (`text` gets the notice).
+// Reads what `peer`'s control socket has; parses complete frames. An abort notice ends the
+// pumping (`text` gets the notice). A closed socket does too (`text`: why), but only once every
+// complete message that came before the end has been taken: one read may bring a final answer
+// together with the end of the stream, and the answer is what the rank must act on.
 TcpController::Pumped TcpController::Pump(int peer, std::string* text) {
   Peer& p = peers_[peer];
   char buffer[64 << 10];
-  bool closed = false;
-  while (true) {
+  while (p.closed.empty()) {
     const ssize_t n = recv(p.control.fd(), buffer, sizeof(buffer), MSG_DONTWAIT);
     if (n > 0) {
       p.inbox.append(buffer, static_cast<size_t>(n));
@@ -56,10 +57,8 @@ TcpController::Pumped TcpController::Pump(int peer, std::string* text) {
     }
     if (n < 0 && WouldBlock(errno) && errno != EINTR) break;
     if (n < 0 && errno == EINTR) continue;
-    closed = true;
-    *text = n == 0 ? "closed its connection (the process exited or was killed)"
-                   : "connection failed: " + Errno(errno);
-    break;
+    p.closed = n == 0 ? "closed its connection (the process exited or was killed)"
+                      : "connection failed: " + Errno(errno);
   }
   while (p.inbox.size() >= kFrameHeaderBytes) {
     const uint32_t kind = ReadU32(p.inbox.data());
@@ -80,7 +79,9 @@ TcpController::Pumped TcpController::Pump(int peer, std::string* text) {
     }
     p.messages.push_back(std::move(payload));
   }
-  return closed ? Pumped::kClosed : Pumped::kOk;
+  if (p.closed.empty() || !p.messages.empty()) return Pumped::kOk;
+  *text = p.closed;
+  return Pumped::kClosed;
 }
 
 Status TcpController::PumpAll(const std::vector<int>& peers) {
@@ -181,7 +182,8 @@ Status TcpController::ControlExchange(const std::vector<int>& await_from, double
           events |= POLLOUT;
         }
       }
-      fds.push_back({p.control.fd(), events, 0});
+      // A stream that has ended stays readable: poll it no more (its messages are queued).
+      fds.push_back({p.closed.empty() ? p.control.fd() : -1, events, 0});
     }
     const uint64_t before = control_received_;
     Status s = PumpAll(control);

@@ -65,6 +65,8 @@ class TcpController : public Controller {
     std::string inbox;                 // control bytes received and not yet parsed
     std::deque<std::string> messages;  // complete control messages, oldest first
     std::string outbox;                // control bytes still to send
+    // Why the control stream ended, once it has; reported only after its messages are taken.
+    std::string closed;
   };
   // Bytes a data transfer sends or receives, in order.
   struct Piece {

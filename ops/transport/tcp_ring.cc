@@ -109,7 +109,10 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
     std::vector<pollfd> fds;
     if (sending && sent < limit) fds.push_back({peers_[send_peer].data.fd(), POLLOUT, 0});
     if (receiving) fds.push_back({peers_[recv_peer].data.fd(), POLLIN, 0});
-    for (int peer : control) fds.push_back({peers_[peer].control.fd(), POLLIN, 0});
+    for (int peer : control) {
+      const Peer& p = peers_[peer];
+      fds.push_back({p.closed.empty() ? p.control.fd() : -1, POLLIN, 0});  // ended: nothing new
+    }
     const int wait_ms = static_cast<int>(
         std::min(1000.0, (kPeerSilenceSecs - (now - last_progress)) * 1000) + 1);
     if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) {

@@ -10,12 +10,18 @@ the waiting ranks every HEARTBEAT_SECS with "still busy"; no collective stays pe
 Sync point n is a series of broadcasts from rank 0 named `<prefix>.<n>.<k>` (k = 0, 1, ...), each
 carrying a header [state, value, payload bytes]: BUSY makes the others ask again with k + 1, DONE
 ends the sync point (followed by `<prefix>.<n>.payload` when there are payload bytes).
+
+The wait is bounded: a rank that has heard "still busy" for PERSEUS_CHIEF_WAIT_SECS (default
+7200: longer than any evaluation or export a job should have between two steps; 0: no bound)
+fails with an error saying so, rather than wait forever on a rank 0 stuck in its work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import time
 from typing import Iterator
 
 import numpy as np
@@ -23,6 +29,20 @@ import numpy as np
 from perseus_legacy import basics
 
 HEARTBEAT_SECS = 0.5
+DEFAULT_CHIEF_WAIT_SECS = 7200.0
+
+
+def chief_wait_secs(env: dict | None = None) -> float:
+    """PERSEUS_CHIEF_WAIT_SECS: how long a rank waits at a sync point for a busy rank 0."""
+    text = (os.environ if env is None else env).get("PERSEUS_CHIEF_WAIT_SECS", "")
+    try:
+        value = float(text) if text else DEFAULT_CHIEF_WAIT_SECS
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"perseus_legacy: PERSEUS_CHIEF_WAIT_SECS={text!r} is not a "
+                         "non-negative number")
+    return value
 _DONE, _BUSY = 0, 1
 
 
@@ -103,12 +123,21 @@ class ChiefGate:
         return value, payload
 
     def _follow(self) -> tuple:
+        limit = chief_wait_secs()
+        start = time.monotonic()
         k = 0
         while True:
             state, value, nbytes = self._broadcast(np.zeros(3, np.int64), k).tolist()
             if state == _DONE:
                 break
             k += 1
+            waited = time.monotonic() - start
+            if limit and waited > limit:
+                raise RuntimeError(
+                    f"perseus_legacy: rank {basics.rank()} waited {waited:.0f} s at sync point "
+                    f"{self._name(k)!r} while rank 0 kept answering 'still busy' "
+                    f"(PERSEUS_CHIEF_WAIT_SECS={limit:g}); rank 0 may be stuck in an "
+                    "evaluation or export")
         payload = b""
         if nbytes:
             payload = self._broadcast(np.zeros(nbytes, np.uint8), "payload").tobytes()

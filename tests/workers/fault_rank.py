@@ -1,0 +1,59 @@
+"""A 4 KiB allreduce loop in which rank 1 fails silently after 20 steps; the others must fail
+with an error naming it instead of waiting forever.
+
+    fault_rank.py stop    rank 1 stops itself (SIGSTOP): a frozen process, sockets still open
+    fault_rank.py cut     rank 1 takes its host's link down (`ip link set eth0 down`, emulated
+                          hosts only): an unreachable host
+
+Every surviving rank prints `[rank R] FAULT_SEEN after S s: <error>` (S: seconds since its last
+completed step) and exits 1.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from perseus_legacy import _core, basics
+
+FAULT_STEP = 20
+
+
+def fault(mode: str) -> None:
+    print(f"[rank 1] FAULT {mode} at step {FAULT_STEP}", flush=True)
+    if mode == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif mode == "cut":
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True, timeout=30)
+    else:
+        sys.exit(f"unknown mode {mode!r}")
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    basics.init()
+    rank = _core.rank()
+    data = np.ones(1024, np.float32)
+    last = time.monotonic()
+    step = 0
+    while True:
+        if rank == 1 and step == FAULT_STEP:
+            fault(mode)
+        try:
+            out = _core.allreduce(data, f"step.{step}", op=1)
+        except RuntimeError as exc:
+            print(f"[rank {rank}] FAULT_SEEN after {time.monotonic() - last:.1f} s: {exc}",
+                  flush=True)
+            sys.exit(1)
+        assert out[0] == _core.size(), out[:4]
+        last = time.monotonic()
+        step += 1
+
+
+if __name__ == "__main__":
+    main()
