@@ -20,7 +20,10 @@ if mode == "echo":
 elif mode == "fail":
     sys.exit(int(sys.argv[3]) if rank == sys.argv[2] else 0)
 elif mode == "hang":
-    print(f"ready pid={os.getpid()}", flush=True)
+    # One write: unbuffered print() writes the newline separately, and two ranks sharing the
+    # launcher's stdout could interleave their lines.
+    sys.stdout.write(f"ready pid={os.getpid()}\n")
+    sys.stdout.flush()
     threading.Event().wait()
 else:
     sys.exit(f"unknown mode {mode!r}")
