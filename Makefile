@@ -37,9 +37,11 @@ compat-venvs:
 # The op library for TF 2.15 (another C++ ABI), against .venv-tf215's TensorFlow headers and
 # linked to the runtime library of `make build`; perseus_legacy/ops.py picks it under TF 2.15.
 tf215-ops: .venv-tf215/.tf_ops_built
-.venv-tf215/.tf_ops_built: .venv-tf215/.installed $(VENV)/.built $(wildcard ops/tensorflow/*)
+# --force: build_ext compares only the .cc files with the library, not the runtime's headers
+# that the op library shares with libperseus_common.so.
+.venv-tf215/.tf_ops_built: .venv-tf215/.installed $(VENV)/.built $(NATIVE_SOURCES)
 	PERSEUS_TF_PYTHON=$(abspath .venv-tf215/bin/python) $(PY) setup.py -q build_ext --inplace \
-		--build-temp build/tf215
+		--force --build-temp build/tf215
 	touch $@
 
 # A DNNClassifier Estimator on scikit-learn's digits, 2 ranks, run_config() only. On a machine

@@ -62,6 +62,9 @@ def launch(args: argparse.Namespace) -> int:
         cluster.setdefault(task_type, []).append(f"127.0.0.1:{next(ports)}")
     env = dict(os.environ, PERSEUS_SECRET=secrets.token_hex(16), TF_CPP_MIN_LOG_LEVEL="2",
                TF_NUM_INTRAOP_THREADS="1", OMP_NUM_THREADS="1")
+    # The tasks share this stdout: buffered output writes each flushed line at once, while an
+    # unbuffered print() writes its newline separately and two tasks' lines could interleave.
+    env.pop("PYTHONUNBUFFERED", None)
     procs = []
     for task_type, index in TASKS:
         env["TF_CONFIG"] = json.dumps({"cluster": cluster,

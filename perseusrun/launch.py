@@ -362,8 +362,9 @@ def tcp_rank_envs(args: argparse.Namespace, env: dict,
     return [{**base, RANK_VARIABLE: str(rank)} for rank in range(args.np)]
 
 
-def _forward_tagged(stream, rank: int, tag: str, out) -> None:
-    prefix = f"[1,{rank}]<{tag}>:"
+def _forward_lines(stream, prefix: str, out) -> None:
+    # Whole lines only: ranks writing to one shared stdout would interleave within a line (an
+    # unbuffered print() writes its newline separately).
     for line in iter(stream.readline, b""):
         out.write(prefix + line.decode(errors="replace"))
         out.flush()
@@ -383,20 +384,18 @@ def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None 
                     hosts: list[emulate.EmulatedHost] | None = None) -> int:
     """Runs one `program` per environment (rank i on `hosts[i]` when given); ends every rank
     when one fails or time runs out."""
-    pipe = subprocess.PIPE if tag_output else None
     procs, forwarders = [], []
     for rank, env in enumerate(envs):
         argv = hosts[rank].command(program) if hosts else program
-        proc = subprocess.Popen(argv, env=env, stdout=pipe, stderr=pipe,
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
         procs.append(proc)
-        if tag_output:
-            for stream, tag, out in ((proc.stdout, "stdout", sys.stdout),
-                                     (proc.stderr, "stderr", sys.stderr)):
-                t = threading.Thread(target=_forward_tagged, args=(stream, rank, tag, out),
-                                     daemon=True)
-                t.start()
-                forwarders.append(t)
+        for stream, tag, out in ((proc.stdout, "stdout", sys.stdout),
+                                 (proc.stderr, "stderr", sys.stderr)):
+            prefix = f"[1,{rank}]<{tag}>:" if tag_output else ""
+            t = threading.Thread(target=_forward_lines, args=(stream, prefix, out), daemon=True)
+            t.start()
+            forwarders.append(t)
     job_deadline = time.monotonic() + timeout if timeout else None
     kill_deadline: list[float | None] = [None]
     stopped_by: list[int] = []
