@@ -37,7 +37,7 @@ def wait_for_event(path: str, needle: str, limit: float = 30.0) -> None:
         with open(path) as f:
             if needle in f.read():
                 return
-        time.sleep(0.05)
+        time.sleep(0.05)  # the poll interval of a condition on the file, bounded by `limit`
     fail(hvd.rank(), f"{path} never showed {needle}")
 
 
