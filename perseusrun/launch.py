@@ -438,6 +438,8 @@ def run_local_ranks(program: list[str], envs: list[dict], timeout: float | None 
             signal.signal(signum, handler)
     for t in forwarders:
         t.join(timeout=5)
+    if not failure:  # every rank ended within one poll interval: none was seen failing above
+        failure = [128 - c if c < 0 else c for c in (p.returncode for p in procs) if c != 0][:1]
     if -1 in stopped_by:
         return TIMEOUT_EXIT_CODE
     if stopped_by:

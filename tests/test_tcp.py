@@ -258,6 +258,12 @@ def test_perseusrun_tcp_ends_every_rank_when_one_fails_with_its_exit_code(capfd)
     assert "rank 1 exited with code 7; terminating the other ranks" in err, err
 
 
+def test_perseusrun_tcp_fails_when_every_rank_fails_at_once(capfd):
+    code, out, err = run_tcp_launcher(capfd, "-np", "3", sys.executable, "-c",
+                                      "import sys; sys.exit(5)")
+    assert code == 5, out + err
+
+
 def test_perseusrun_tcp_timeout_exits_124(capfd):
     code, out, err = run_tcp_launcher(capfd, "-np", "2", "--timeout", "2", sys.executable,
                                       str(WORKERS / "tcp_launch_worker.py"), "hang")
