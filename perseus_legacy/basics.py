@@ -54,9 +54,12 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "
                              "objects or \"dynamic\"")
         return
-    from perseus_legacy.process_sets import add_process_set
+    from perseus_legacy.process_sets import ProcessSet, add_process_set, registered
 
     for process_set in process_sets:
+        known = isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
+        if known and registered().get(process_set.process_set_id) == process_set.ranks:
+            continue  # init() again: already registered
         add_process_set(process_set)
 
 

@@ -68,19 +68,21 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
                             _name("broadcast", name, set_id), set_id)
 
 
-def broadcast_object_fn(root_rank: int = 0, session: Any = None,
-                        name: str | None = None) -> Callable[[Any], Any]:
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: ProcessSet | None = None) -> Callable[[Any], Any]:
     """A function `f(obj)` returning `root_rank`'s `obj` on every rank (pickled, trusted ranks).
 
     Horovod builds placeholders and a Session for it; here it is broadcast_object with fixed
     arguments, usable in any mode.
     """
-    root_rank = basics.check_root(root_rank, "broadcast_object_fn")
-    base = _name("broadcast_fn", name)
+    basics.require_initialized("broadcast_object_fn()")
+    set_id = process_set_id(process_set, "broadcast_object_fn")
+    root_rank = basics.check_root(root_rank, "broadcast_object_fn", set_id)
+    base = _name("broadcast_fn", name, set_id)
     calls = itertools.count()
 
     def broadcast(obj: Any) -> Any:
-        return _broadcast_bytes(obj, root_rank, f"{base}.{next(calls)}")
+        return _broadcast_bytes(obj, root_rank, f"{base}.{next(calls)}", set_id)
 
     return broadcast
 

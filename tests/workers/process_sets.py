@@ -149,6 +149,9 @@ def check_collectives(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet
         obj = hvd.broadcast_object({"from": rank}, root_rank=root, process_set=b)
         if obj != {"from": root}:
             fail(rank, f"B broadcast_object: {obj}")
+        fn = hvd.broadcast_object_fn(root_rank=root, process_set=b)
+        if fn([rank]) != [root]:
+            fail(rank, "B broadcast_object_fn")
         gathered = hvd.allgather_object(("rank", rank), process_set=b)
         if gathered != [("rank", r) for r in b.ranks]:
             fail(rank, f"B allgather_object: {gathered}")
