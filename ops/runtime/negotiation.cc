@@ -389,10 +389,6 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
   return list;
 }
 
-}  // namespace perseus
-
-namespace perseus {
-
 void Coordinator::SettleSetChange(std::vector<Response>* out) {
   std::vector<int> asked, joined;
   for (int r = 0; r < options_.size; ++r) {
@@ -412,14 +408,15 @@ void Coordinator::SettleSetChange(std::vector<Response>* out) {
   };
   Response answer;
   answer.type = add ? ResponseType::kProcessSetAdded : ResponseType::kProcessSetRemoved;
+  const std::string function = add ? "add_process_set" : "remove_process_set";
   auto fail = [&](const std::string& what) {
-    answer.error = std::string("perseus_legacy: ") + (add ? "add_process_set" : "remove_process_set") +
-                   "() failed: " + what;
+    answer.error = "perseus_legacy: " + function + "() failed: " + what;
   };
   std::vector<std::pair<std::string, std::vector<int>>> calls;
   for (int r : asked) {
     const std::string text = call(set_changes_[r]);
-    auto it = std::find_if(calls.begin(), calls.end(), [&](const auto& c) { return c.first == text; });
+    auto it = std::find_if(calls.begin(), calls.end(),
+                           [&](const auto& c) { return c.first == text; });
     if (it == calls.end()) {
       calls.push_back({text, {r}});
     } else {

@@ -1,7 +1,7 @@
-// Negotiation on the coordinator (rank 0): which tensors every rank has submitted, whether they
-// agree, in which order and fused how they run. Each round, every rank sends its RequestList
-// over the control plane; the Coordinator turns them into one ResponseList that every rank
-// executes in order. Tensors that some ranks never submit are the StallInspector's.
+// Negotiation on the coordinator (rank 0): which tensors every rank (of a tensor's process set)
+// has submitted, whether they agree, in which order and fused how they run, and the registered
+// process sets. Each round, every rank sends its RequestList over the control plane; the
+// Coordinator turns them into one ResponseList that every rank executes in order. Tensors that some ranks never submit are the StallInspector's.
 #pragma once
 
 #include <cstdint>
@@ -57,8 +57,9 @@ class Coordinator {
 
   // The round's answer: every tensor that became ready on all ranks (a rank that joined counts
   // as ready for every tensor), in the order it became ready, validated and with compatible
-  // allreduces fused; errors for tensors stalled beyond the shutdown limit; a kJoin once every
-  // rank has joined; and a final kShutdown when any rank is shutting down.
+  // allreduces fused; the process-set change every rank has asked for; errors for tensors
+  // stalled beyond the shutdown limit; a kJoin once every rank has joined; and a final kShutdown
+  // when any rank is shutting down.
   ResponseList Plan(Clock::time_point now, std::string* stall_warning);
 
   // Whether tensors wait in the table (their stall checks need rounds through the coordinator).

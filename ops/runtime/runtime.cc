@@ -748,7 +748,9 @@ Status AddProcessSet(const std::vector<int>& ranks, int32_t* id) {
   *id = 0;
   return State().ChangeProcessSet(SetChange::kAdd, ranks, id);
 }
-Status RemoveProcessSet(int32_t id) { return State().ChangeProcessSet(SetChange::kRemove, {}, &id); }
+Status RemoveProcessSet(int32_t id) {
+  return State().ChangeProcessSet(SetChange::kRemove, {}, &id);
+}
 std::vector<std::pair<int32_t, std::vector<int>>> ProcessSets() {
   return State().process_sets();
 }

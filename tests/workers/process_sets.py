@@ -8,11 +8,11 @@ Sum / Average with scale factors, grouped allreduce), whose fusion stays within 
 alltoall with splits, reducescatter, the object collectives; a rank outside a set gets an error
 naming itself and the set; members disagreeing on a shape all get the error naming the ranks;
 add_process_set with different rank lists fails on every rank; remove_process_set; a
-DistributedGradientTape step and a TF1 DistributedOptimizer step on a set equal one process on
-the set's global batch; join() covers the global set only. Argument "basic" runs the queries,
-the step and the tape only; "stall" (with PERSEUS_STALL_SHUTDOWN_SECS) checks that a set's
-stalled collective fails naming its missing members only. Any mismatch exits non-zero naming
-the rank.
+DistributedGradientTape step, a TF1 DistributedOptimizer step and a Keras Model.fit on a set
+equal one process on the set's global batch; join() covers the global set only. Argument
+"basic" runs the queries, the step and the tape only; "stall" (with
+PERSEUS_STALL_SHUTDOWN_SECS) checks that a set's stalled collective fails naming its missing
+members only. Any mismatch exits non-zero naming the rank.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -220,6 +220,31 @@ def check_tape(rank: int, size: int, ps: hvd.ProcessSet) -> None:
     assert_close(rank, f"DistributedGradientTape on {ps}", w.numpy(), w_np, rtol=1e-4)
 
 
+def check_keras_optimizer(rank: int, size: int, ps: hvd.ProcessSet) -> None:
+    """Three steps of Model.fit with the Keras DistributedOptimizer on the set equal numpy on
+    the set's global batch."""
+    if not ps.included():
+        return
+    import perseus_legacy.keras as hvd_keras
+    from perseus_legacy.keras._keras import keras
+
+    rng = np.random.RandomState(2)
+    x_all = rng.rand(4 * ps.size(), 3).astype(np.float32)
+    y_all = x_all @ np.array([[0.5], [1.0], [-1.5]], np.float32)
+    x, y = x_all[ps.rank()::ps.size()], y_all[ps.rank()::ps.size()]
+    model = keras.Sequential([keras.layers.Dense(
+        1, use_bias=False, kernel_initializer=keras.initializers.Constant(0.1),
+        input_shape=(3,))])
+    model.compile(hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), process_set=ps),
+                  loss="mse")
+    model.fit(x, y, batch_size=len(x), epochs=3, shuffle=False, verbose=0)
+    w_np = np.full((3, 1), 0.1, np.float32)
+    for _ in range(3):
+        w_np = w_np - 0.1 * 2 * x_all.T @ (x_all @ w_np - y_all) / len(x_all)
+    assert_close(rank, f"Keras DistributedOptimizer on {ps}", model.get_weights()[0], w_np,
+                 rtol=1e-4)
+
+
 def check_tf1_optimizer(rank: int, size: int, ps: hvd.ProcessSet) -> None:
     """Three TF1 DistributedOptimizer steps on the set equal numpy on the set's global batch."""
     if not ps.included():
@@ -307,6 +332,7 @@ def main() -> None:
         check_collectives(rank, size, a, b)
         check_errors(rank, size, a, b)
         check_tf1_optimizer(rank, size, a)
+        check_keras_optimizer(rank, size, b)
         check_remove_and_join(rank, size, b)
     # A rank that exits shuts the runtime down for every rank, members of other sets too: the
     # last collective is a global one.
