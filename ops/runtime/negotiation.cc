@@ -108,6 +108,10 @@ bool Coordinator::Ready(const PendingTensor& p) const {
 }
 
 void Coordinator::Require(PendingTensor* p, int32_t set_id, int rank) const {
+  // The common case costs nothing per rank: a member of the set already required (ranks
+  // submit only to sets they belong to).
+  if (set_id == p->set_id && p->required[rank]) return;
+  if (p->set_id < 0) p->set_id = set_id;
   auto require = [p](int r) {
     if (!p->required[r]) {
       p->required[r] = true;

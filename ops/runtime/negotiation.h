@@ -32,6 +32,7 @@ struct PendingTensor {
   // unless they disagree, which Validate reports).
   std::vector<bool> required;
   int required_count = 0;
+  int32_t set_id = -1;  // the process set of the first submitter, whose members are required
   bool ready = false;  // listed in the coordinator's ready list
   Clock::time_point first_seen;
   // The stall inspector's: when it last warned about this tensor.
