@@ -7,7 +7,7 @@ Sum / Average with scale factors, grouped allreduce), whose fusion stays within 
 (runtime_stats); allgather with uneven rows, broadcast and broadcast_ with a root in the set,
 alltoall with splits, reducescatter, the object collectives; a rank outside a set gets an error
 naming itself and the set; members disagreeing on a shape all get the error naming the ranks;
-add_process_set with different rank lists fails on every rank; remove_process_set; a
+add_process_set or remove_process_set calls that differ fail on every rank; remove_process_set; a
 DistributedGradientTape step, a TF1 DistributedOptimizer step and a Keras Model.fit on a set
 equal one process on the set's global batch; join() covers the global set only. Argument
 "basic" runs the queries, the step and the tape only; "stall" (with
@@ -190,6 +190,11 @@ def check_errors(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> 
                  lambda: hvd.add_process_set(mine), ValueError,
                  "ranks [0, 1] called add_process_set([0, 1])",
                  f"called add_process_set([0, {size - 1}])")
+    expect_error(rank, "remove_process_set of different sets",
+                 lambda: hvd.remove_process_set(a if rank < 2 else b), ValueError,
+                 "ranks [0, 1] called remove_process_set(1)", "called remove_process_set(2)")
+    if a.process_set_id != 1 or b.process_set_id != 2:
+        fail(rank, f"a failed removal changed the sets: {a}, {b}")
     expect_error(rank, "add_process_set of an existing set",
                  lambda: hvd.add_process_set([2, 0]), ValueError,
                  "process set 1 already has ranks [0, 2]")
