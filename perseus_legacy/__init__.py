@@ -85,6 +85,12 @@ from perseus_legacy.ops import (  # noqa: F401
     size_op,
 )
 from perseus_legacy.optimizer import DistributedOptimizer, SyncReplicasOptimizer  # noqa: F401
+from perseus_legacy.process_sets import (  # noqa: F401
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
 
 
 def __getattr__(name: str):

@@ -40,12 +40,30 @@ def _comm_handle(comm: Any) -> int:
     return int(MPI._handleof(comm))
 
 
-def init(comm: Any = None) -> None:
+def init(comm: Any = None, process_sets: Any = None) -> None:
     """Joins the process group: MPI_COMM_WORLD, the mpi4py `comm` given, or TF_CONFIG's tasks.
 
     Without `comm`, perseus_legacy.tf_config.controller_from_env() picks the transport: MPI under
     an MPI launcher, TCP (MPI never initialized) for TF_CONFIG or `perseusrun --tcp`.
+    `process_sets`: ProcessSet objects (or rank lists) registered right after, in order; every
+    rank must pass the same list. Horovod's "dynamic" is accepted: sets may always be added later.
     """
+    _join_group(comm)
+    if process_sets is None or isinstance(process_sets, str):
+        if process_sets not in (None, "dynamic"):
+            raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "
+                             "objects or \"dynamic\"")
+        return
+    from perseus_legacy.process_sets import ProcessSet, add_process_set, registered
+
+    for process_set in process_sets:
+        known = isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
+        if known and registered().get(process_set.process_set_id) == process_set.ranks:
+            continue  # init() again: already registered
+        add_process_set(process_set)
+
+
+def _join_group(comm: Any) -> None:
     if comm is not None or tf_config.controller_from_env() == "mpi":
         core().init(_comm_handle(comm))
         return
@@ -92,12 +110,18 @@ def require_initialized(what: str = "this call") -> None:
         )
 
 
-def check_root(root_rank: int, what: str) -> int:
-    """`root_rank` as an int; ValueError naming `what` unless it is a rank of the group."""
+def check_root(root_rank: int, what: str, process_set_id: int = 0) -> int:
+    """`root_rank` as an int; ValueError naming `what` unless it is a rank of the group (and of
+    the process set `process_set_id`)."""
     require_initialized(f"{what}()")
     group_size = size()
     if not 0 <= int(root_rank) < group_size:
         raise ValueError(f"{what} root_rank {root_rank} is not a rank (size() is {group_size})")
+    if process_set_id:
+        ranks = list(core().process_sets().get(process_set_id, []))
+        if int(root_rank) not in ranks:
+            raise ValueError(f"{what} root_rank {root_rank} is not in process set "
+                             f"{process_set_id} (ranks {ranks}); root_rank is a global rank")
     return int(root_rank)
 
 

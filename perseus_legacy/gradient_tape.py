@@ -68,19 +68,21 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
                             compression: Any = Compression.none, sparse_as_dense: bool = False,
                             op: int = Average, gradient_predivide_factor: float = 1.0,
                             num_groups: int = 0, groups: Any = None,
-                            scale_local_gradients: bool = True) -> tf.GradientTape:
+                            scale_local_gradients: bool = True,
+                            process_set: Any = None) -> tf.GradientTape:
     """A tape recording what `gradtape` recorded whose gradient() reduces over all ranks.
 
     Gradients are reduced with `op` (Average by default; `gradient_predivide_factor` f divides
     by f before the sum and multiplies by f/size() after). Sparse gradients are allgathered and
     stay sparse unless `sparse_as_dense`. `groups` (or the deprecated `num_groups`) splits the
     reduction as in Horovod. `device_dense`/`device_sparse` are ignored: kernels run on the CPU.
+    With `process_set`, gradients are reduced over its ranks only.
     """
     if isinstance(gradtape, _DistributedTape):
         raise ValueError("this GradientTape is already distributed: wrap the plain tape once")
     reducer = GradientReducer("DistributedGradientTape", compression, sparse_as_dense, op,
                               gradient_predivide_factor, resolve_groups(num_groups, groups),
-                              scale_local_gradients)
+                              scale_local_gradients, process_set)
     tape = _distributed_class(type(gradtape))(
         persistent=gradtape._persistent,
         watch_accessed_variables=gradtape._watch_accessed_variables)
@@ -108,7 +110,8 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Hor
                                    sparse_as_dense: bool = False, op: int = Average,
                                    gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                                    groups: Any = None, local_layers: Any = None,
-                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+                                   scale_local_gradients: bool = True,
+                                   process_set: Any = None) -> tf.GradientTape:
     """DistributedGradientTape whose `local_layers`' gradients stay on this rank.
 
     Those gradients are not reduced; with `scale_local_gradients` they are divided by size(),
@@ -116,7 +119,7 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Hor
     """
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,
-                                   groups, scale_local_gradients)
+                                   groups, scale_local_gradients, process_set)
     for var in local_layer_variables(local_layers):
         tape.register_local_source(var)
     return tape

@@ -16,8 +16,9 @@ def _broadcast_name(var: Any) -> str:
     return "broadcast_" + var.op.name.replace("/", "_")
 
 
-def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool = False) -> Any:
-    """Assigns `root_rank`'s value of every variable to it on every rank.
+def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool = False,
+                        process_set: Any = None) -> Any:
+    """Assigns `root_rank`'s value of every variable to it on every rank (of `process_set`).
 
     In a graph: returns one grouped op that does it when run (every rank must run it). Eagerly:
     does it now and returns None. `inplace` (Horovod's) is accepted: assignments are in place.
@@ -26,9 +27,10 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool 
     variables = list(variables)
     if tf.executing_eagerly():
         for var in variables:
-            var.assign(ops.broadcast(var.read_value(), root_rank))
+            var.assign(ops.broadcast(var.read_value(), root_rank, process_set=process_set))
         return None
-    assigns = [tf.compat.v1.assign(var, ops.broadcast(var, root_rank, name=_broadcast_name(var)))
+    assigns = [tf.compat.v1.assign(var, ops.broadcast(var, root_rank, name=_broadcast_name(var),
+                                                      process_set=process_set))
                for var in variables]
     return tf.group(*assigns, name="broadcast_variables")
 
@@ -47,13 +49,15 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
 
     The broadcast runs in `after_create_session`, that is after variables were initialised or
     restored from a checkpoint: every rank then starts from the root's values (global step
-    included), whichever rank restored what. Every rank must use this hook.
+    included), whichever rank restored what. Every rank (of `process_set`, default all; its
+    `root_rank` is a global rank) must use this hook.
     """
 
-    def __init__(self, root_rank: int = 0, device: str = "") -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.device = device
+        self.process_set = process_set
         self.bcast_op = None
         self._graph = None
 
@@ -63,7 +67,12 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         if self.bcast_op is None or self._graph is not graph:
             self._graph = graph
             with tf.device(self.device):
-                self.bcast_op = broadcast_global_variables(self.root_rank)
+                if self.process_set is None:
+                    self.bcast_op = broadcast_global_variables(self.root_rank)
+                else:
+                    self.bcast_op = broadcast_variables(tf.compat.v1.global_variables(),
+                                                        self.root_rank,
+                                                        process_set=self.process_set)
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Runs the broadcast."""

@@ -12,14 +12,19 @@ are matched by it, in whatever order each rank submits them. How it is chosen:
   build their graphs identically therefore agree, whatever order they run the ops in. Passing
   `name=` only replaces the op's base name.
 - Eager mode: `name=` is used verbatim when given, otherwise `eager.<Op>.<n>` where `n` counts
-  this process's default-named eager collectives. Each eager collective blocks until every rank
-  has submitted it, so ranks that issue the same sequence of collectives get the same names by
-  construction. Pass explicit names when ranks issue eager collectives from several threads or
-  in different orders.
+  this process's default-named eager collectives (per process set: `eager.set<id>.<Op>.<n>`
+  for a set other than the global one, counted only on its ranks). Each eager collective
+  blocks until every rank has submitted it, so ranks that issue the same sequence of
+  collectives get the same names by construction. Pass explicit names when ranks issue eager
+  collectives from several threads or in different orders.
+
+Every collective takes `process_set=` (default: every rank, `global_process_set`); see
+perseus_legacy.process_sets.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import re
@@ -34,12 +39,14 @@ import tensorflow as tf
 from perseus_legacy import basics
 from perseus_legacy.basics import REDUCE_OP_NAMES, Average, Sum
 from perseus_legacy.compression import Compression
+from perseus_legacy.process_sets import ProcessSet, process_set_id, registered, set_size_and_rank
 
 TensorLike = Any  # a tf.Tensor or anything tf.convert_to_tensor accepts
 
 _library = None
 _library_lock = threading.Lock()
-_eager_counter = itertools.count()
+# One counter per process set: ranks outside a set do not count its collectives.
+_eager_counters: dict = collections.defaultdict(itertools.count)
 # Default eager names cycle: a name is free again long before it comes back around, and TF's
 # eager kernel cache (keyed by attributes, tensor_name included) stays bounded.
 _EAGER_NAME_CYCLE = 4096
@@ -110,12 +117,14 @@ def _function_prefix(graph: tf.Graph) -> str:
     return "/".join(reversed(parts))
 
 
-def _names(default: str, name: str | None) -> tuple:
+def _names(default: str, name: str | None, set_id: int = 0) -> tuple:
     """(tensor_name attribute, op name) for a new collective; see the module docstring."""
     if tf.executing_eagerly():
         if name:
             return name, None
-        return f"eager.{default}.{next(_eager_counter) % _EAGER_NAME_CYCLE}", None
+        count = next(_eager_counters[set_id]) % _EAGER_NAME_CYCLE
+        where = f"set{set_id}." if set_id else ""
+        return f"eager.{where}{default}.{count}", None
     op_name = _valid_op_name(name) if name else default
     graph = tf.compat.v1.get_default_graph()
     unique = graph.unique_name(op_name, mark_as_used=False)  # the name the op will get
@@ -146,20 +155,22 @@ def resolve_op(op: int | None, average: bool | None, what: str) -> int:
 
 
 def _allreduce_dense(tensor: TensorLike, op: int, name: str | None, prescale_factor: float,
-                     postscale_factor: float) -> tf.Tensor:
-    tensor_name, op_name = _names("PerseusAllreduce", name)
+                     postscale_factor: float, set_id: int = 0) -> tf.Tensor:
+    tensor_name, op_name = _names("PerseusAllreduce", name, set_id)
     return _op_library().perseus_allreduce(
         tensor, reduce_op=op, prescale_factor=float(prescale_factor),
-        postscale_factor=float(postscale_factor), tensor_name=tensor_name, name=op_name)
+        postscale_factor=float(postscale_factor), tensor_name=tensor_name,
+        process_set_id=set_id, name=op_name)
 
 
-def _allgather(tensor: TensorLike, name: str | None) -> tf.Tensor:
-    tensor_name, op_name = _names("PerseusAllgather", name)
-    return _op_library().perseus_allgather(tensor, tensor_name=tensor_name, name=op_name)
+def _allgather(tensor: TensorLike, name: str | None, set_id: int = 0) -> tf.Tensor:
+    tensor_name, op_name = _names("PerseusAllgather", name, set_id)
+    return _op_library().perseus_allgather(tensor, tensor_name=tensor_name,
+                                           process_set_id=set_id, name=op_name)
 
 
 def _allreduce_indexed_slices(slices: tf.IndexedSlices, op: int, name: str | None,
-                              prescale_factor: float, postscale_factor: float):
+                              prescale_factor: float, postscale_factor: float, set_id: int = 0):
     if op not in (Average, Sum):
         raise NotImplementedError(
             f"allreduce of tf.IndexedSlices supports Average and Sum, not {REDUCE_OP_NAMES[op]} "
@@ -170,24 +181,25 @@ def _allreduce_indexed_slices(slices: tf.IndexedSlices, op: int, name: str | Non
             f"allreduce of tf.IndexedSlices with {slices.values.dtype.name} values takes no "
             "prescale_factor or postscale_factor")
     # Rows are concatenated, not added: duplicate indices add up when the slices are applied.
-    values = _allgather(slices.values, f"{name}.values" if name else None)
-    indices = _allgather(slices.indices, f"{name}.indices" if name else None)
+    values = _allgather(slices.values, f"{name}.values" if name else None, set_id)
+    indices = _allgather(slices.indices, f"{name}.indices" if name else None, set_id)
     if op == Average:  # true division: integer values become floating point, as in Horovod
-        values = values / tf.cast(basics.size(), values.dtype)
+        values = values / tf.cast(set_size_and_rank(set_id)[0], values.dtype)
     if scale != 1.0:
         values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
 
 
 def _allreduce_one(tensor: TensorLike, op: int, name: str | None, prescale_factor: float,
-                   postscale_factor: float, what: str) -> Any:
+                   postscale_factor: float, what: str, set_id: int = 0) -> Any:
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor)
+        return _allreduce_indexed_slices(tensor, op, name, prescale_factor, postscale_factor,
+                                         set_id)
     tensor = tf.convert_to_tensor(tensor)
     if tensor.dtype == tf.bool:
         raise TypeError(f"perseus_legacy.{what} does not reduce bool tensors: cast to int32 "
                         "(then Max is any(), Min is all())")
-    return _allreduce_dense(tensor, op, name, prescale_factor, postscale_factor)
+    return _allreduce_dense(tensor, op, name, prescale_factor, postscale_factor, set_id)
 
 
 # Horovod's device_dense / device_sparse arguments are accepted and ignored: every kernel of
@@ -197,8 +209,9 @@ def _allreduce_one(tensor: TensorLike, op: int, name: str | None, prescale_facto
 def allreduce(tensor: TensorLike, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression: Any = Compression.none,
               op: int | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None) -> Any:
-    """Reduces `tensor` over all ranks with `op` (default Average); every rank gets the result.
+              postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet | None = None) -> Any:
+    """Reduces `tensor` over all ranks (or `process_set`'s) with `op` (default Average).
 
     The result is `postscale_factor * op(prescale_factor * tensor of every rank)`; Average of
     integer tensors divides with truncation. A `tf.IndexedSlices` is allgathered (values and
@@ -209,22 +222,25 @@ def allreduce(tensor: TensorLike, average: bool | None = None, device_dense: str
     """
     basics.require_initialized("perseus_legacy.allreduce()")
     op = resolve_op(op, average, "allreduce")
+    set_id = process_set_id(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
-        return _allreduce_one(tensor, op, name, prescale_factor, postscale_factor, "allreduce")
+        return _allreduce_one(tensor, op, name, prescale_factor, postscale_factor, "allreduce",
+                              set_id)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     return compression.decompress(
-        _allreduce_one(compressed, op, name, prescale_factor, postscale_factor, "allreduce"), ctx)
+        _allreduce_one(compressed, op, name, prescale_factor, postscale_factor, "allreduce",
+                       set_id), ctx)
 
 
 def _grouped_graph(tensors: list, op: int, name: str | None, prescale_factor: float,
-                   postscale_factor: float) -> list:
+                   postscale_factor: float, set_id: int = 0) -> list:
     """The dense tensors in one PerseusGroupedAllreduce op, each tf.IndexedSlices on its own."""
     results: list = [None] * len(tensors)
     dense = {}
     for i, tensor in enumerate(tensors):
         if isinstance(tensor, tf.IndexedSlices):
             results[i] = _allreduce_indexed_slices(tensor, op, f"{name}_{i}" if name else None,
-                                                   prescale_factor, postscale_factor)
+                                                   prescale_factor, postscale_factor, set_id)
             continue
         tensor = tf.convert_to_tensor(tensor)
         if tensor.dtype == tf.bool:
@@ -233,18 +249,19 @@ def _grouped_graph(tensors: list, op: int, name: str | None, prescale_factor: fl
         dense[i] = tensor
     if dense:
         reduced = _grouped_dense(list(dense.values()), op, name, prescale_factor,
-                                 postscale_factor)
+                                 postscale_factor, set_id)
         for i, result in zip(dense, reduced):
             results[i] = result
     return results
 
 
 def _grouped_dense(tensors: list, op: int, name: str | None, prescale_factor: float,
-                   postscale_factor: float) -> list:
-    tensor_name, op_name = _names("PerseusGroupedAllreduce", name)
+                   postscale_factor: float, set_id: int = 0) -> list:
+    tensor_name, op_name = _names("PerseusGroupedAllreduce", name, set_id)
     return _op_library().perseus_grouped_allreduce(
         tensors, reduce_op=op, prescale_factor=float(prescale_factor),
-        postscale_factor=float(postscale_factor), tensor_name=tensor_name, name=op_name)
+        postscale_factor=float(postscale_factor), tensor_name=tensor_name,
+        process_set_id=set_id, name=op_name)
 
 
 def _one_function(build: Callable) -> Callable:
@@ -261,7 +278,7 @@ def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None
                       device_dense: str = "", device_sparse: str = "",
                       compression: Any = Compression.none, op: int | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None) -> list:
+                      name: str | None = None, process_set: ProcessSet | None = None) -> list:
     """Allreduces every tensor of `tensors` with the same op; returns the results in order.
 
     All the reductions are submitted together, so small tensors are fused into few collectives.
@@ -269,6 +286,7 @@ def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None
     """
     basics.require_initialized("perseus_legacy.grouped_allreduce()")
     op = resolve_op(op, average, "grouped_allreduce")
+    set_id = process_set_id(process_set, "grouped_allreduce")
     tensors = list(tensors)
     contexts: dict = {}
     for i, tensor in enumerate(tensors):
@@ -276,55 +294,66 @@ def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None
             tensors[i], contexts[i] = compression.compress(tf.convert_to_tensor(tensor))
     if tensors and len(contexts) == len(tensors) and tf.executing_eagerly():
         results = _grouped_function(tensors, op, name, float(prescale_factor),
-                                    float(postscale_factor))
+                                    float(postscale_factor), set_id)
     else:
-        results = _grouped_graph(tensors, op, name, prescale_factor, postscale_factor)
+        results = _grouped_graph(tensors, op, name, prescale_factor, postscale_factor, set_id)
     return [compression.decompress(r, contexts[i]) if i in contexts else r
             for i, r in enumerate(results)]
 
 
 @_not_autograph
-def allgather(tensor: TensorLike, name: str | None = None) -> tf.Tensor:
-    """Concatenates every rank's `tensor` along dimension 0, in rank order.
+def allgather(tensor: TensorLike, name: str | None = None,
+              process_set: ProcessSet | None = None) -> tf.Tensor:
+    """Concatenates every rank's (or `process_set`'s ranks') `tensor` along dimension 0, in
+    rank order.
 
     Ranks may contribute different numbers of rows; the other dimensions must match.
     """
     basics.require_initialized("perseus_legacy.allgather()")
-    return _allgather(tensor, name)
+    return _allgather(tensor, name, process_set_id(process_set, "allgather"))
 
 
-def _allgather_list(tensors: list, name: str | None) -> list:
-    return [_allgather(t, f"{name}_{i}" if name else None) for i, t in enumerate(tensors)]
+def _allgather_list(tensors: list, name: str | None, set_id: int = 0) -> list:
+    return [_allgather(t, f"{name}_{i}" if name else None, set_id)
+            for i, t in enumerate(tensors)]
 
 
 _allgather_function = _one_function(_allgather_list)
 
 
 @_not_autograph
-def grouped_allgather(tensors: Sequence[TensorLike], name: str | None = None) -> list:
+def grouped_allgather(tensors: Sequence[TensorLike], name: str | None = None,
+                      process_set: ProcessSet | None = None) -> list:
     """allgather() of every tensor of `tensors`, submitted together; the results in order."""
     basics.require_initialized("perseus_legacy.grouped_allgather()")
+    set_id = process_set_id(process_set, "grouped_allgather")
     tensors = [tf.convert_to_tensor(t) for t in tensors]
     if tensors and tf.executing_eagerly():
-        return _allgather_function(tensors, name)
-    return _allgather_list(tensors, name)
+        return _allgather_function(tensors, name, set_id)
+    return _allgather_list(tensors, name, set_id)
 
 
-def _broadcast(tensor: TensorLike, root_rank: int, name: str | None) -> tf.Tensor:
-    tensor_name, op_name = _names("PerseusBroadcast", name)
+def _broadcast(tensor: TensorLike, root_rank: int, name: str | None,
+               set_id: int = 0) -> tf.Tensor:
+    tensor_name, op_name = _names("PerseusBroadcast", name, set_id)
     return _op_library().perseus_broadcast(tensor, root_rank=root_rank, tensor_name=tensor_name,
-                                           name=op_name)
+                                           process_set_id=set_id, name=op_name)
 
 
 @_not_autograph
-def broadcast(tensor: TensorLike, root_rank: int, name: str | None = None) -> tf.Tensor:
-    """Returns `root_rank`'s value of `tensor` on every rank (shapes must match)."""
+def broadcast(tensor: TensorLike, root_rank: int, name: str | None = None,
+              process_set: ProcessSet | None = None) -> tf.Tensor:
+    """Returns `root_rank`'s value of `tensor` on every rank (shapes must match).
+
+    With `process_set`, on the set's ranks; `root_rank` is a global rank in the set.
+    """
     basics.require_initialized("perseus_legacy.broadcast()")
-    return _broadcast(tensor, basics.check_root(root_rank, "broadcast"), name)
+    set_id = process_set_id(process_set, "broadcast")
+    return _broadcast(tensor, basics.check_root(root_rank, "broadcast", set_id), name, set_id)
 
 
-def _broadcast_list(values: list, root_rank: int, name: str | None) -> list:
-    return [_broadcast(value, root_rank, f"{name or 'broadcast'}_{i}")
+def _broadcast_list(values: list, root_rank: int, name: str | None, set_id: int = 0) -> list:
+    return [_broadcast(value, root_rank, f"{name or 'broadcast'}_{i}", set_id)
             for i, value in enumerate(values)]
 
 
@@ -332,23 +361,25 @@ broadcast_function = _one_function(_broadcast_list)
 
 
 @_not_autograph
-def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None) -> list:
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet | None = None) -> list:
     """Assigns `root_rank`'s value of every variable to it, in place; returns the new values.
 
     Eagerly the broadcasts run at once (one fused round); in a graph the returned tensors
     depend on the assignments.
     """
     basics.require_initialized("perseus_legacy.broadcast_()")
-    root_rank = basics.check_root(root_rank, "broadcast_")
+    set_id = process_set_id(process_set, "broadcast_")
+    root_rank = basics.check_root(root_rank, "broadcast_", set_id)
     variables = list(variables)
     if not variables:
         return []
     if tf.executing_eagerly():
         for var, value in zip(variables, broadcast_function(
-                [v.read_value() for v in variables], root_rank, name)):
+                [v.read_value() for v in variables], root_rank, name, set_id)):
             var.assign(value)
         return [var.read_value() for var in variables]
-    values = _broadcast_list([v.read_value() for v in variables], root_rank, name)
+    values = _broadcast_list([v.read_value() for v in variables], root_rank, name, set_id)
     assigns = [var.assign(value) for var, value in zip(variables, values)]
     with tf.control_dependencies(assigns):
         return [var.read_value() for var in variables]
@@ -356,25 +387,27 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
 
 @_not_autograph
 def alltoall(tensor: TensorLike, splits: TensorLike | Sequence[int] | None = None,
-             name: str | None = None) -> Any:
+             name: str | None = None, process_set: ProcessSet | None = None) -> Any:
     """Sends `splits[r]` rows of `tensor` to rank r; returns the rows received.
 
     Rows go out in order: the first `splits[0]` to rank 0, the next `splits[1]` to rank 1, ...
     Without `splits`, dimension 0 is divided evenly over the ranks and only the received
     tensor is returned (as in Horovod). With `splits`, the result is `(received,
     received_splits)`: `received_splits[r]` is how many rows came from rank r (the dtype of
-    `splits`, int32 for a list). Received rows are in rank order.
+    `splits`, int32 for a list). Received rows are in rank order. With `process_set`, ranks
+    are the set's (splits has one entry per rank of the set).
     """
     basics.require_initialized("perseus_legacy.alltoall()")
+    set_id = process_set_id(process_set, "alltoall")
     if splits is None:
         splits_tensor = tf.constant([], dtype=tf.int32)
     elif not isinstance(splits, (tf.Tensor, tf.Variable)):
         splits_tensor = tf.constant(splits, dtype=tf.int32)
     else:
         splits_tensor = splits
-    tensor_name, op_name = _names("PerseusAlltoall", name)
+    tensor_name, op_name = _names("PerseusAlltoall", name, set_id)
     received, received_splits = _op_library().perseus_alltoall(
-        tensor, splits_tensor, tensor_name=tensor_name, name=op_name)
+        tensor, splits_tensor, tensor_name=tensor_name, process_set_id=set_id, name=op_name)
     return received if splits is None else (received, received_splits)
 
 
@@ -388,15 +421,17 @@ def _scatter_rows(rows: tf.Tensor, size: int, rank: int) -> tuple:
 
 
 def _reducescatter_list(tensors: list, op: int, name: str | None, prescale_factor: float,
-                        postscale_factor: float) -> list:
-    size, rank = basics.size(), basics.rank()
+                        postscale_factor: float, set_id: int = 0) -> list:
+    size, rank = set_size_and_rank(set_id)
 
     @tf.custom_gradient
     def reduce_then_scatter(*inputs):
         if len(inputs) == 1:
-            reduced = [_allreduce_dense(inputs[0], op, name, prescale_factor, postscale_factor)]
+            reduced = [_allreduce_dense(inputs[0], op, name, prescale_factor, postscale_factor,
+                                        set_id)]
         else:
-            reduced = _grouped_dense(list(inputs), op, name, prescale_factor, postscale_factor)
+            reduced = _grouped_dense(list(inputs), op, name, prescale_factor, postscale_factor,
+                                     set_id)
         parts = []
         for value in reduced:
             start, count = _scatter_rows(tf.shape(value, out_type=tf.int64)[0], size, rank)
@@ -406,7 +441,7 @@ def _reducescatter_list(tensors: list, op: int, name: str | None, prescale_facto
             # Horovod's gradient: the incoming gradient allgathered, times size() for Sum and
             # the scale factors.
             scale = float(prescale_factor) * float(postscale_factor) * (size if op == Sum else 1)
-            return [_allgather(g * tf.cast(scale, g.dtype) if scale != 1.0 else g, None)
+            return [_allgather(g * tf.cast(scale, g.dtype) if scale != 1.0 else g, None, set_id)
                     for g in grads]
 
         return parts, gradient
@@ -423,7 +458,8 @@ def _check_scatter_op(op: int, what: str) -> int:
 @_not_autograph
 def reducescatter(tensor: TensorLike, device_dense: str = "", compression: Any = Compression.none,
                   op: int = Average, name: str | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0) -> tf.Tensor:
+                  postscale_factor: float = 1.0,
+                  process_set: ProcessSet | None = None) -> tf.Tensor:
     """Reduces `tensor` over all ranks (Average or Sum) and returns this rank's rows of it.
 
     Dimension 0 is split in rank order; when it is not a multiple of size(), the first
@@ -433,8 +469,10 @@ def reducescatter(tensor: TensorLike, device_dense: str = "", compression: Any =
     """
     basics.require_initialized("perseus_legacy.reducescatter()")
     op = _check_scatter_op(op, "reducescatter")
+    set_id = process_set_id(process_set, "reducescatter")
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    result = _reducescatter_list([compressed], op, name, prescale_factor, postscale_factor)[0]
+    result = _reducescatter_list([compressed], op, name, prescale_factor, postscale_factor,
+                                 set_id)[0]
     return compression.decompress(result, ctx)
 
 
@@ -442,15 +480,17 @@ def reducescatter(tensor: TensorLike, device_dense: str = "", compression: Any =
 def grouped_reducescatter(tensors: Sequence[TensorLike], device_dense: str = "",
                           compression: Any = Compression.none, op: int = Average,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                          name: str | None = None) -> list:
+                          name: str | None = None,
+                          process_set: ProcessSet | None = None) -> list:
     """reducescatter() of every tensor of `tensors` in one fused reduction; results in order."""
     basics.require_initialized("perseus_legacy.grouped_reducescatter()")
     op = _check_scatter_op(op, "grouped_reducescatter")
+    set_id = process_set_id(process_set, "grouped_reducescatter")
     if not tensors:
         return []
     compressed = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     results = _reducescatter_list([c for c, _ in compressed], op, name, prescale_factor,
-                                  postscale_factor)
+                                  postscale_factor, set_id)
     return [compression.decompress(r, ctx) for r, (_, ctx) in zip(results, compressed)]
 
 
@@ -463,10 +503,13 @@ def _query_op(query: Callable[[], int], name: str | None) -> tf.Tensor:
     return value
 
 
-def _global_set_only(process_set_id: int, what: str) -> None:
-    if int(process_set_id) != 0:
-        raise ValueError(f"{what}(process_set_id={process_set_id}): only the global process set "
-                         "(id 0) exists")
+def _set_ranks(set_id: int, what: str) -> list:
+    ranks = registered().get(int(set_id))
+    if ranks is None:
+        raise ValueError(f"{what}(process_set_id={set_id}): no process set with this id is "
+                         "registered (the global process set is id 0; add others with "
+                         "add_process_set())")
+    return ranks
 
 
 def rank_op(name: str | None = None) -> tf.Tensor:
@@ -480,9 +523,11 @@ def local_rank_op(name: str | None = None) -> tf.Tensor:
 
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """An int32 scalar tensor: size(), read when the op runs (global process set only)."""
-    _global_set_only(process_set_id, "size_op")
-    return _query_op(basics.size, name)
+    """An int32 scalar tensor: the size of the process set (default: size()), read when the
+    op runs."""
+    basics.require_initialized("size_op()")
+    _set_ranks(process_set_id, "size_op")
+    return _query_op(lambda: len(_set_ranks(process_set_id, "size_op")), name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:
@@ -491,9 +536,11 @@ def local_size_op(name: str | None = None) -> tf.Tensor:
 
 
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    """An int32 scalar tensor: 1 if this rank is in the process set (global set only: 1)."""
-    _global_set_only(process_set_id, "process_set_included_op")
-    return _query_op(lambda: int(basics.is_initialized()), name)
+    """An int32 scalar tensor: 1 if this rank is in the process set, else 0."""
+    basics.require_initialized("process_set_included_op()")
+    _set_ranks(process_set_id, "process_set_included_op")
+    return _query_op(
+        lambda: int(basics.rank() in _set_ranks(process_set_id, "process_set_included_op")), name)
 
 
 # Gradients, as Horovod defines them: allreduce's is the same allreduce of the incoming gradient;
@@ -508,7 +555,7 @@ def _allreduce_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
             f"perseus_legacy.allreduce with op={REDUCE_OP_NAMES.get(reduce_op, reduce_op)} is not "
             "differentiable; only Average and Sum have gradients")
     return _allreduce_dense(grad, reduce_op, None, op.get_attr("prescale_factor"),
-                            op.get_attr("postscale_factor"))
+                            op.get_attr("postscale_factor"), op.get_attr("process_set_id"))
 
 
 @tf.RegisterGradient("PerseusGroupedAllreduce")
@@ -520,21 +567,24 @@ def _grouped_allreduce_grad(op: tf.Operation, *grads: tf.Tensor) -> list:
             " is not differentiable; only Average and Sum have gradients")
     grads = [tf.zeros_like(x) if g is None else g for g, x in zip(grads, op.inputs)]
     return _grouped_dense(grads, reduce_op, None, op.get_attr("prescale_factor"),
-                          op.get_attr("postscale_factor"))
+                          op.get_attr("postscale_factor"), op.get_attr("process_set_id"))
 
 
 @tf.RegisterGradient("PerseusAllgather")
 def _allgather_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
-    averaged = _allreduce_dense(tf.convert_to_tensor(grad), Average, None, 1.0, 1.0)
+    set_id = op.get_attr("process_set_id")
+    averaged = _allreduce_dense(tf.convert_to_tensor(grad), Average, None, 1.0, 1.0, set_id)
     rows = tf.shape(op.inputs[0], out_type=tf.int64)[:1]
-    rows_per_rank = _allgather(rows, None)
-    return tf.split(averaged, rows_per_rank, num=basics.size(), axis=0)[basics.rank()]
+    rows_per_rank = _allgather(rows, None, set_id)
+    size, rank = set_size_and_rank(set_id)
+    return tf.split(averaged, rows_per_rank, num=size, axis=0)[rank]
 
 
 @tf.RegisterGradient("PerseusBroadcast")
 def _broadcast_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
     # Every rank must take part in the reduction, even those whose own gradient is zero.
-    averaged = _allreduce_dense(tf.convert_to_tensor(grad), Average, None, 1.0, 1.0)
+    averaged = _allreduce_dense(tf.convert_to_tensor(grad), Average, None, 1.0, 1.0,
+                                op.get_attr("process_set_id"))
     if basics.rank() == op.get_attr("root_rank"):
         return averaged
     with tf.control_dependencies([averaged]):
@@ -545,8 +595,10 @@ def _broadcast_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
 def _alltoall_grad(op: tf.Operation, grad: tf.Tensor, _grad_splits: Any) -> list:
     if grad is None:
         return [None, None]
-    tensor_name, op_name = _names("PerseusAlltoall", None)
+    tensor_name, op_name = _names("PerseusAlltoall", None, op.get_attr("process_set_id"))
     # Rows return to where they came from: rank r sent us received_splits[r] rows.
     back, _ = _op_library().perseus_alltoall(tf.convert_to_tensor(grad), op.outputs[1],
-                                             tensor_name=tensor_name, name=op_name)
+                                             tensor_name=tensor_name,
+                                             process_set_id=op.get_attr("process_set_id"),
+                                             name=op_name)
     return [back, None]

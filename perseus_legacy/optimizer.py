@@ -20,7 +20,7 @@ from perseus_legacy.reduction import check_predivide, resolve_groups
 
 
 def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_dense: bool,
-                     prefix: str, predivide: float = 1.0) -> Any:
+                     prefix: str, predivide: float = 1.0, process_set: Any = None) -> Any:
     if grad is None:
         return None
     # Named after the variable: ranks agree on the name whatever order they build gradients in.
@@ -33,10 +33,11 @@ def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_d
     if isinstance(grad, tf.IndexedSlices):
         values, ctx = compression.compress(grad.values)
         reduced = ops.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
-                                op=op, name=name, **scales)
+                                op=op, name=name, process_set=process_set, **scales)
         return tf.IndexedSlices(compression.decompress(reduced.values, ctx), reduced.indices,
                                 reduced.dense_shape)
-    return ops.allreduce(grad, op=op, name=name, compression=compression, **scales)
+    return ops.allreduce(grad, op=op, name=name, compression=compression,
+                         process_set=process_set, **scales)
 
 
 class _Accumulator:
@@ -131,7 +132,7 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     f/size() after it. `groups`/`num_groups` are validated and otherwise ignored (each gradient
     is one collective; the runtime fuses them); `device_dense`/`device_sparse` are ignored
     (kernels run on the CPU). Every rank must build the same trainable variables (their names
-    name the collectives).
+    name the collectives). With `process_set`, gradients are reduced over its ranks only.
     """
 
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: str | None = None,
@@ -140,7 +141,7 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
                  backward_passes_per_step: int = 1, op: int = Average,
                  gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0,
-                 groups: Any = None) -> None:
+                 groups: Any = None, process_set: Any = None) -> None:
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise TypeError(
                 "DistributedOptimizer wraps a tf.compat.v1.train.Optimizer, got "
@@ -159,14 +160,17 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._reduce_op = op
         self._passes = int(backward_passes_per_step)
         self._average_passes = average_aggregated_gradients
+        self._process_set = process_set
 
     def _reduce(self, grads_and_vars: list) -> list:
         basics.require_initialized(f"{self._name}.compute_gradients()")
-        if basics.size() == 1 and self._reduce_op == Average and self._predivide == 1.0:
+        size = basics.size() if self._process_set is None else self._process_set.size()
+        if size == 1 and self._reduce_op == Average and self._predivide == 1.0:
             return grads_and_vars
         with tf.name_scope(self._name + "_Allreduce"):
             return [(_reduce_gradient(grad, var, self._reduce_op, self._compression,
-                                      self._sparse_as_dense, self._name, self._predivide), var)
+                                      self._sparse_as_dense, self._name, self._predivide,
+                                      self._process_set), var)
                     for grad, var in grads_and_vars]
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:

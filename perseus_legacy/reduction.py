@@ -39,7 +39,7 @@ def resolve_groups(num_groups: int, groups: Any) -> Any:
 
 
 class GradientReducer:
-    """Reduces (gradient, variable) pairs over all ranks.
+    """Reduces (gradient, variable) pairs over all ranks (or `process_set`'s).
 
     Average divides by size() after the sum; `gradient_predivide_factor` f moves 1/f of it
     before the sum (prescale 1/f, postscale f). `groups`: None (one fused reduction), a count
@@ -51,7 +51,7 @@ class GradientReducer:
     def __init__(self, name: str, compression: Any = Compression.none,
                  sparse_as_dense: bool = False, op: int = Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 scale_local_gradients: bool = True) -> None:
+                 scale_local_gradients: bool = True, process_set: Any = None) -> None:
         self.name = name
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
@@ -59,6 +59,7 @@ class GradientReducer:
         self.gradient_predivide_factor = check_predivide(gradient_predivide_factor, op)
         self.groups = resolve_groups(0, groups)
         self.scale_local_gradients = scale_local_gradients
+        self.process_set = process_set  # None: every rank
         self.local: set = set()
 
     def register_local(self, var: Any) -> None:
@@ -74,7 +75,7 @@ class GradientReducer:
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        size = basics.size()
+        size = basics.size() if self.process_set is None else self.process_set.size()
         shared = [i for i, (g, v) in enumerate(zip(grads, variables))
                   if g is not None and v.ref() not in self.local]
         if size > 1 or self.op != Average or self.gradient_predivide_factor != 1.0:
@@ -117,7 +118,8 @@ class GradientReducer:
         results = list(grads)
         reduced = ops.grouped_allreduce([grads[k] for k in dense], op=self.op, name=name,
                                         compression=self.compression,
-                                        prescale_factor=prescale, postscale_factor=postscale)
+                                        prescale_factor=prescale, postscale_factor=postscale,
+                                        process_set=self.process_set)
         for k, result in zip(dense, reduced):
             results[k] = result
         for k, grad in enumerate(grads):
@@ -125,7 +127,8 @@ class GradientReducer:
                 values, ctx = self.compression.compress(grad.values)
                 result = ops.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
                                        op=self.op, name=f"{name}.sparse.{k}",
-                                       prescale_factor=prescale, postscale_factor=postscale)
+                                       prescale_factor=prescale, postscale_factor=postscale,
+                                       process_set=self.process_set)
                 results[k] = tf.IndexedSlices(self.compression.decompress(result.values, ctx),
                                               result.indices, result.dense_shape)
         return results

@@ -194,18 +194,19 @@ py::array OutputFor(const py::array& input, const py::object& out, const std::st
 }
 
 py::array Allreduce(const py::object& value, const std::string& name, int op, double prescale,
-                    double postscale, const py::object& out) {
+                    double postscale, const py::object& out, int32_t process_set_id) {
   RequireInitialized("allreduce");
   py::array input = Contiguous(value);
   py::array output = OutputFor(input, out, name);
   std::vector<CollectiveRequest> requests;
   requests.push_back(AllreduceRequest(input, output, name, CheckedOp(op), prescale, postscale));
+  requests.back().process_set_id = process_set_id;
   SubmitAndWait(std::move(requests));
   return output;
 }
 
 py::list GroupedAllreduce(const py::list& values, const std::vector<std::string>& names, int op,
-                          double prescale, double postscale) {
+                          double prescale, double postscale, int32_t process_set_id) {
   RequireInitialized("grouped_allreduce");
   if (values.size() != names.size()) {
     throw py::value_error("perseus_legacy.grouped_allreduce: " + std::to_string(values.size()) +
@@ -219,6 +220,7 @@ py::list GroupedAllreduce(const py::list& values, const std::vector<std::string>
     outputs.emplace_back(inputs.back().dtype(), ShapeOf(inputs.back()));
     requests.push_back(
         AllreduceRequest(inputs.back(), outputs.back(), names[i], reduce_op, prescale, postscale));
+    requests.back().process_set_id = process_set_id;
   }
   SubmitAndWait(std::move(requests));
   py::list result;
@@ -226,10 +228,11 @@ py::list GroupedAllreduce(const py::list& values, const std::vector<std::string>
   return result;
 }
 
-py::array Allgather(const py::object& value, const std::string& name) {
+py::array Allgather(const py::object& value, const std::string& name, int32_t process_set_id) {
   RequireInitialized("allgather");
   py::array input = Contiguous(value);
   CollectiveRequest request = MakeRequest(input, name, CollectiveType::kAllgather, "allgather");
+  request.process_set_id = process_set_id;
   auto out = std::make_shared<GrownOutput>();
   ExpectOutput(&request, out);
   std::vector<CollectiveRequest> requests;
@@ -238,12 +241,14 @@ py::array Allgather(const py::object& value, const std::string& name) {
   return ToArray(input.dtype(), *out);
 }
 
-py::array Broadcast(const py::object& value, int root_rank, const std::string& name) {
+py::array Broadcast(const py::object& value, int root_rank, const std::string& name,
+                    int32_t process_set_id) {
   RequireInitialized("broadcast");
   py::array input = Contiguous(value);
   py::array output(input.dtype(), ShapeOf(input));
   CollectiveRequest request = MakeRequest(input, name, CollectiveType::kBroadcast, "broadcast");
   request.root_rank = root_rank;
+  request.process_set_id = process_set_id;
   request.output = output.mutable_data();
   std::vector<CollectiveRequest> requests;
   requests.push_back(std::move(request));
@@ -252,11 +257,12 @@ py::array Broadcast(const py::object& value, int root_rank, const std::string& n
 }
 
 py::tuple Alltoall(const py::object& value, const std::string& name,
-                   const std::optional<std::vector<int64_t>>& splits) {
+                   const std::optional<std::vector<int64_t>>& splits, int32_t process_set_id) {
   RequireInitialized("alltoall");
   py::array input = Contiguous(value);
   CollectiveRequest request = MakeRequest(input, name, CollectiveType::kAlltoall, "alltoall");
   if (splits) request.splits = *splits;
+  request.process_set_id = process_set_id;
   auto out = std::make_shared<GrownOutput>();
   ExpectOutput(&request, out);
   auto received = std::make_shared<std::vector<int64_t>>();
@@ -391,20 +397,59 @@ PYBIND11_MODULE(_core, m) {
         "Writes out and closes the timeline; a no-op when none runs.");
   m.def("allreduce", &Allreduce, py::arg("array"), py::arg("name"), py::arg("op") = 0,
         py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
-        py::arg("out") = py::none(),
+        py::arg("out") = py::none(), py::arg("process_set_id") = 0,
         "Reduces `array` over all ranks (op: Average=0, Sum=1, Min=2, Max=3, Product=4) into a "
         "new array, or into `out` (same dtype and shape; may be `array` itself).");
   m.def("grouped_allreduce", &GroupedAllreduce, py::arg("arrays"), py::arg("names"),
         py::arg("op") = 0, py::arg("prescale_factor") = 1.0, py::arg("postscale_factor") = 1.0,
+        py::arg("process_set_id") = 0,
         "Submits every allreduce, then waits for all: they may be fused into one.");
-  m.def("allgather", &Allgather, py::arg("array"), py::arg("name"),
+  m.def("allgather", &Allgather, py::arg("array"), py::arg("name"), py::arg("process_set_id") = 0,
         "Concatenates every rank's array along the first dimension (which may differ).");
   m.def("broadcast", &Broadcast, py::arg("array"), py::arg("root_rank"), py::arg("name"),
+        py::arg("process_set_id") = 0,
         "Returns root_rank's array on every rank.");
   m.def("alltoall", &Alltoall, py::arg("array"), py::arg("name"),
-        py::arg("splits") = py::none(),
+        py::arg("splits") = py::none(), py::arg("process_set_id") = 0,
         "Sends splits[r] rows to rank r (default: equal parts); returns (rows received, "
         "received_splits).");
+
+  m.def(
+      "add_process_set",
+      [](const std::vector<int>& ranks) {
+        RequireInitialized("add_process_set");
+        int32_t id = 0;
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = AddProcessSet(ranks, &id);
+        }
+        if (!s.ok()) throw py::value_error(s.message());
+        return id;
+      },
+      py::arg("ranks"),
+      "Registers a process set on every rank (collective, same order everywhere); its id.");
+  m.def(
+      "remove_process_set",
+      [](int32_t id) {
+        RequireInitialized("remove_process_set");
+        Status s;
+        {
+          py::gil_scoped_release release;
+          s = RemoveProcessSet(id);
+        }
+        if (!s.ok()) throw py::value_error(s.message());
+      },
+      py::arg("process_set_id"),
+      "Removes a process set on every rank (collective, same order everywhere).");
+  m.def(
+      "process_sets",
+      [] {
+        py::dict sets;
+        for (const auto& [id, ranks] : ProcessSets()) sets[py::int_(id)] = ranks;
+        return sets;
+      },
+      "{id: ranks} of every registered process set; empty before init().");
 
   // Leaving the group at interpreter exit lets the other ranks fail fast instead of waiting.
   py::module_::import("atexit").attr("register")(

@@ -99,6 +99,9 @@ struct CollectiveRequest {
   double postscale_factor = 1.0;            // allreduce: result multiplied after it
   int root_rank = 0;                        // broadcast
   std::vector<int64_t> splits;  // alltoall: rows sent to each rank; empty = shape[0] / size each
+  // The process set it runs over (0: every rank). root_rank stays a global rank; splits, the
+  // ranks' order of allgather and alltoall and an Average's divisor are the set's.
+  int32_t process_set_id = 0;
 
   const void* input = nullptr;
   // allreduce / broadcast: preallocated, same shape as input; may equal input (in place).

@@ -12,7 +12,7 @@ void ResponseFuser::Add(Response response, int64_t bytes) {
   }
   // Allreduces reduce identically, and may share one buffer, when these agree (the last: the
   // joined ranks that take part without data, which also sets an Average's divisor).
-  Key key{response.dtype, response.reduce_op, response.prescale_factor,
+  Key key{response.process_set_id, response.dtype, response.reduce_op, response.prescale_factor,
           response.postscale_factor, response.joined_ranks};
   auto it = open_.find(key);
   if (it != open_.end() && it->second.second + bytes <= threshold_bytes_) {

@@ -18,8 +18,8 @@
 
 namespace perseus {
 
-// Packs allreduces that reduce identically (same dtype, op, scale factors and joined ranks) into
-// one response, up to `threshold_bytes` each; other responses pass through in order.
+// Packs allreduces that reduce identically (same process set, dtype, op, scale factors and joined
+// ranks) into one response, up to `threshold_bytes` each; other responses pass through in order.
 class ResponseFuser {
  public:
   ResponseFuser(int64_t threshold_bytes, std::vector<Response>* out)
@@ -28,7 +28,7 @@ class ResponseFuser {
   void Add(Response response, int64_t bytes);
 
  private:
-  using Key = std::tuple<DataType, ReduceOp, double, double, std::vector<int64_t>>;
+  using Key = std::tuple<int32_t, DataType, ReduceOp, double, double, std::vector<int64_t>>;
   int64_t threshold_bytes_;
   std::vector<Response>* out_;
   // Per key: the index of the response still accepting tensors, and its bytes so far.

@@ -76,12 +76,15 @@ bool operator==(const RequestMeta& a, const RequestMeta& b) {
   return a.type == b.type && a.dtype == b.dtype && a.reduce_op == b.reduce_op &&
          a.root_rank == b.root_rank && a.prescale_factor == b.prescale_factor &&
          a.postscale_factor == b.postscale_factor && a.shape == b.shape &&
-         a.splits == b.splits && a.name == b.name;
+         a.splits == b.splits && a.process_set_id == b.process_set_id && a.name == b.name;
 }
 
 std::string Serialize(const RequestList& list) {
   Writer w;
   w.Put<uint8_t>(static_cast<uint8_t>(list.shutting_down | (list.joined << 1)));
+  w.Put(list.set_change);
+  w.PutInts(list.set_ranks);
+  w.Put(list.set_id);
   w.Put<uint32_t>(static_cast<uint32_t>(list.requests.size()));
   for (const RequestMeta& r : list.requests) {
     w.PutString(r.name);
@@ -93,6 +96,7 @@ std::string Serialize(const RequestList& list) {
     w.Put(r.postscale_factor);
     w.PutInts(r.shape);
     w.PutInts(r.splits);
+    w.Put(r.process_set_id);
   }
   return w.Take();
 }
@@ -102,6 +106,9 @@ bool Deserialize(const std::string& bytes, RequestList* list) {
   const uint8_t flags = r.Get<uint8_t>();
   list->shutting_down = (flags & 1) != 0;
   list->joined = (flags & 2) != 0;
+  list->set_change = r.Get<SetChange>();
+  list->set_ranks = r.GetInts();
+  list->set_id = r.Get<int32_t>();
   uint32_t n = r.Get<uint32_t>();
   list->requests.clear();
   for (uint32_t i = 0; i < n && r.ok(); ++i) {
@@ -115,6 +122,7 @@ bool Deserialize(const std::string& bytes, RequestList* list) {
     m.postscale_factor = r.Get<double>();
     m.shape = r.GetInts();
     m.splits = r.GetInts();
+    m.process_set_id = r.Get<int32_t>();
     list->requests.push_back(std::move(m));
   }
   return r.ok() && r.done();
@@ -133,6 +141,7 @@ std::string Serialize(const ResponseList& list) {
     w.Put(r.root_rank);
     w.Put(r.prescale_factor);
     w.Put(r.postscale_factor);
+    w.Put(r.process_set_id);
     w.PutInts(r.sizes);
     w.PutInts(r.joined_ranks);
     w.PutInts(r.shape);
@@ -156,6 +165,7 @@ bool Deserialize(const std::string& bytes, ResponseList* list) {
     resp.root_rank = r.Get<int32_t>();
     resp.prescale_factor = r.Get<double>();
     resp.postscale_factor = r.Get<double>();
+    resp.process_set_id = r.Get<int32_t>();
     resp.sizes = r.GetInts();
     resp.joined_ranks = r.GetInts();
     resp.shape = r.GetInts();

@@ -21,10 +21,15 @@ struct RequestMeta {
   double postscale_factor = 1.0;
   std::vector<int64_t> shape;
   std::vector<int64_t> splits;
+  int32_t process_set_id = 0;
 };
 
 bool operator==(const RequestMeta& a, const RequestMeta& b);
 inline bool operator!=(const RequestMeta& a, const RequestMeta& b) { return !(a == b); }
+
+// A change of the registered process sets that this rank asks for (add_process_set /
+// remove_process_set): every rank asks for the same changes in the same order.
+enum class SetChange : uint8_t { kNone = 0, kAdd = 1, kRemove = 2 };
 
 // One rank's contribution to a negotiation round: its requests that arrived since the last one.
 struct RequestList {
@@ -32,6 +37,9 @@ struct RequestList {
   bool shutting_down = false;
   // This rank called join() (after the requests above): it has no more data of its own.
   bool joined = false;
+  SetChange set_change = SetChange::kNone;
+  std::vector<int64_t> set_ranks;  // kAdd: the new set's ranks, as this rank passed them
+  int32_t set_id = 0;              // kRemove: the set to remove
 };
 
 enum class ResponseType : uint8_t {
@@ -43,6 +51,10 @@ enum class ResponseType : uint8_t {
   kShutdown = 5,  // `error` names the ranks shutting down: fail everything pending, stop
   kFatal = 6,     // the coordinator cannot go on: fail everything pending with `error`, stop
   kJoin = 7,      // every rank has joined; `root_rank` is the rank that joined last
+  // Every rank asked for the same process-set change: `process_set_id` is the set added (its
+  // ranks in `sizes`) or removed; with `error` set, the change failed on every rank.
+  kProcessSetAdded = 8,
+  kProcessSetRemoved = 9,
 };
 
 struct Response {
@@ -50,9 +62,13 @@ struct Response {
   std::vector<std::string> names;  // more than one only for a fused allreduce
   DataType dtype = DataType::kFloat32;
   ReduceOp reduce_op = ReduceOp::kAverage;
+  // broadcast: the root's position in the process set (its rank in the set).
   int32_t root_rank = 0;
   double prescale_factor = 1.0;
   double postscale_factor = 1.0;
+  // The process set the collective runs over; ranks outside it skip the response. Below, "rank"
+  // means a rank of the set, numbered in the set's order.
+  int32_t process_set_id = 0;
   // allgather: every rank's first dimension. alltoall: the size x size split matrix, row-major,
   // sizes[sender * size + receiver] = rows sender sends to receiver. allreduce with
   // `joined_ranks`: the element count of each of `names`.

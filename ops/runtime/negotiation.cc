@@ -48,7 +48,8 @@ bool AllAgree(const std::vector<RequestMeta>& metas, const std::vector<int>& pre
     const RequestMeta& b = metas[r];
     if (b.type != a.type || b.dtype != a.dtype || b.reduce_op != a.reduce_op ||
         b.root_rank != a.root_rank || b.prescale_factor != a.prescale_factor ||
-        b.postscale_factor != a.postscale_factor || b.shape.size() != a.shape.size()) {
+        b.postscale_factor != a.postscale_factor || b.process_set_id != a.process_set_id ||
+        b.shape.size() != a.shape.size()) {
       return false;
     }
     if (!std::equal(a.shape.begin() + (ragged && !a.shape.empty() ? 1 : 0), a.shape.end(),
@@ -64,7 +65,18 @@ bool AllAgree(const std::vector<RequestMeta>& metas, const std::vector<int>& pre
 Coordinator::Coordinator(CoordinatorOptions options)
     : options_(options),
       stall_inspector_(options.size, options.stall_warning_secs, options.stall_shutdown_secs),
-      joined_(options.size, false) {}
+      joined_(options.size, false),
+      set_changes_(options.size) {
+  std::vector<int>& everyone = sets_[0];
+  for (int r = 0; r < options.size; ++r) everyone.push_back(r);
+}
+
+std::string Coordinator::SetDescription(int32_t id) const {
+  if (id == 0) return "the global process set";
+  auto it = sets_.find(id);
+  return "process set " + std::to_string(id) +
+         (it == sets_.end() ? " (not registered)" : " (ranks " + RankList(it->second) + ")");
+}
 
 ResponseList Coordinator::Answer(const std::vector<std::string>& gathered,
                                  std::string* stall_warning) {
@@ -87,12 +99,29 @@ ResponseList Coordinator::Answer(const std::vector<std::string>& gathered,
 }
 
 bool Coordinator::Ready(const PendingTensor& p) const {
-  if (p.count == options_.size) return true;
+  if (p.count == p.required_count) return true;  // every submitter is required
   if (joined_count_ == 0) return false;
   for (int r = 0; r < options_.size; ++r) {
-    if (!p.submitted[r] && !joined_[r]) return false;
+    if (p.required[r] && !p.submitted[r] && !joined_[r]) return false;
   }
   return true;
+}
+
+void Coordinator::Require(PendingTensor* p, int32_t set_id, int rank) const {
+  // The common case costs nothing per rank: a member of the set already required (ranks
+  // submit only to sets they belong to).
+  if (set_id == p->set_id && p->required[rank]) return;
+  if (p->set_id < 0) p->set_id = set_id;
+  auto require = [p](int r) {
+    if (!p->required[r]) {
+      p->required[r] = true;
+      ++p->required_count;
+    }
+  };
+  require(rank);
+  auto set = sets_.find(set_id);
+  if (set == sets_.end()) return;  // Validate reports it
+  for (int r : set->second) require(r);
 }
 
 void Coordinator::MarkReady(const std::string& name, PendingTensor* p) {
@@ -102,14 +131,21 @@ void Coordinator::MarkReady(const std::string& name, PendingTensor* p) {
 
 void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) {
   if (list.shutting_down) shutting_down_.push_back(rank);
-  announced_ = announced_ || !list.requests.empty() || list.joined;
+  announced_ = announced_ || !list.requests.empty() || list.joined ||
+               list.set_change != SetChange::kNone;
+  if (list.set_change != SetChange::kNone && set_changes_[rank].kind == SetChange::kNone) {
+    set_changes_[rank] = {list.set_change, list.set_ranks, list.set_id};
+    ++set_change_count_;
+  }
   for (const RequestMeta& meta : list.requests) {
     PendingTensor& p = table_[meta.name];
     if (p.per_rank.empty()) {
       p.per_rank.resize(options_.size);
       p.submitted.assign(options_.size, false);
+      p.required.assign(options_.size, false);
       p.first_seen = now;
     }
+    Require(&p, meta.process_set_id, rank);
     if (!p.submitted[rank]) {
       ++p.count;
       if (p.first_seen != now) p.late.push_back(rank);
@@ -130,7 +166,13 @@ void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) 
 Response Coordinator::Validate(const std::string& name, const PendingTensor& p) const {
   const std::vector<RequestMeta>& metas = p.per_rank;
   std::vector<int> present, joined;
-  for (int r = 0; r < options_.size; ++r) (p.submitted[r] ? present : joined).push_back(r);
+  for (int r = 0; r < options_.size; ++r) {
+    if (p.submitted[r]) {
+      present.push_back(r);
+    } else if (p.required[r]) {
+      joined.push_back(r);
+    }
+  }
   const RequestMeta& first = metas[present.front()];
   Response error;
   error.type = ResponseType::kError;
@@ -151,9 +193,21 @@ Response Coordinator::Validate(const std::string& name, const PendingTensor& p) 
     return error;
   }
   if (!agree) {
-    m = Mismatch(metas, present, "dtype",
-                 [](const RequestMeta& r) { return DataTypeName(r.dtype); });
+    m = Mismatch(metas, present, "process set",
+                 [this](const RequestMeta& r) { return SetDescription(r.process_set_id); });
+    if (m.empty()) {
+      m = Mismatch(metas, present, "dtype",
+                   [](const RequestMeta& r) { return DataTypeName(r.dtype); });
+    }
     if (!m.empty()) return fail(m);
+  }
+  auto set = sets_.find(first.process_set_id);
+  if (set == sets_.end()) return fail(SetDescription(first.process_set_id));
+  const std::vector<int>& members = set->second;
+  if (first.process_set_id != 0 && !joined.empty()) {
+    return fail("ranks " + RankList(joined) + " of " + SetDescription(first.process_set_id) +
+                " have joined (perseus_legacy.join()), which covers the global process set "
+                "only");
   }
 
   auto shape_of = [](const RequestMeta& r) { return ShapeString(r.shape); };
@@ -170,7 +224,8 @@ Response Coordinator::Validate(const std::string& name, const PendingTensor& p) 
   Response ok;
   ok.names = {name};
   ok.dtype = first.dtype;
-  const int size = options_.size;
+  ok.process_set_id = first.process_set_id;
+  const int size = static_cast<int>(members.size());
   if (!joined.empty()) {
     ok.joined_ranks.assign(joined.begin(), joined.end());
     ok.shape = first.shape;
@@ -208,9 +263,14 @@ Response Coordinator::Validate(const std::string& name, const PendingTensor& p) 
         if (m.empty()) m = Mismatch(metas, present, "shape", shape_of);
         if (!m.empty()) return fail(m);
       }
-      if (first.root_rank < 0 || first.root_rank >= size) {
+      if (first.root_rank < 0 || first.root_rank >= options_.size) {
         return fail("root_rank " + std::to_string(first.root_rank) + " is out of range for " +
-                    std::to_string(size) + " ranks");
+                    std::to_string(options_.size) + " ranks");
+      }
+      const auto root = std::find(members.begin(), members.end(), first.root_rank);
+      if (root == members.end()) {
+        return fail("root_rank " + std::to_string(first.root_rank) + " is not in " +
+                    SetDescription(first.process_set_id));
       }
       if (!p.submitted[first.root_rank]) {
         return fail("root_rank " + std::to_string(first.root_rank) +
@@ -218,7 +278,7 @@ Response Coordinator::Validate(const std::string& name, const PendingTensor& p) 
                     "nothing to broadcast");
       }
       ok.type = ResponseType::kBroadcast;
-      ok.root_rank = first.root_rank;
+      ok.root_rank = static_cast<int32_t>(root - members.begin());
       return ok;
     }
     case CollectiveType::kAllgather: {
@@ -228,7 +288,7 @@ Response Coordinator::Validate(const std::string& name, const PendingTensor& p) 
       }
       if (!m.empty()) return fail(m);
       ok.type = ResponseType::kAllgather;
-      for (int r = 0; r < size; ++r) ok.sizes.push_back(p.submitted[r] ? metas[r].shape[0] : 0);
+      for (int r : members) ok.sizes.push_back(p.submitted[r] ? metas[r].shape[0] : 0);
       return ok;
     }
     case CollectiveType::kAlltoall: {
@@ -243,7 +303,7 @@ Response Coordinator::Validate(const std::string& name, const PendingTensor& p) 
       if (!m.empty()) return fail(m);
       ok.type = ResponseType::kAlltoall;
       ok.sizes.reserve(static_cast<size_t>(size) * size);
-      for (int r = 0; r < size; ++r) {
+      for (int r : members) {
         const RequestMeta& meta = metas[r];
         const int64_t rows = meta.shape[0];
         const std::string where = " on rank " + std::to_string(r);
@@ -302,6 +362,7 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
               NumElements(meta.shape) * static_cast<int64_t>(DataTypeSize(meta.dtype)));
   }
   ready_.clear();
+  if (set_change_count_ > 0) SettleSetChange(&list.responses);
 
   *stall_warning = stall_inspector_.Check(now, joined_, &table_, &list.responses);
   list.progress = announced_ || !list.responses.empty();
@@ -330,6 +391,98 @@ ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning
     shutting_down_.clear();
   }
   return list;
+}
+
+void Coordinator::SettleSetChange(std::vector<Response>* out) {
+  std::vector<int> asked, joined;
+  for (int r = 0; r < options_.size; ++r) {
+    if (set_changes_[r].kind != SetChange::kNone) {
+      asked.push_back(r);
+    } else if (joined_[r]) {
+      joined.push_back(r);
+    } else {
+      return;  // a rank has not asked yet
+    }
+  }
+  const AskedChange& first = set_changes_[asked.front()];
+  const bool add = first.kind == SetChange::kAdd;
+  auto call = [](const AskedChange& c) {
+    return c.kind == SetChange::kAdd ? "add_process_set(" + ShapeString(c.ranks) + ")"
+                                     : "remove_process_set(" + std::to_string(c.id) + ")";
+  };
+  Response answer;
+  answer.type = add ? ResponseType::kProcessSetAdded : ResponseType::kProcessSetRemoved;
+  const std::string function = add ? "add_process_set" : "remove_process_set";
+  auto fail = [&](const std::string& what) {
+    answer.error = "perseus_legacy: " + function + "() failed: " + what;
+  };
+  std::vector<std::pair<std::string, std::vector<int>>> calls;
+  for (int r : asked) {
+    const std::string text = call(set_changes_[r]);
+    auto it = std::find_if(calls.begin(), calls.end(),
+                           [&](const auto& c) { return c.first == text; });
+    if (it == calls.end()) {
+      calls.push_back({text, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  if (!joined.empty()) {
+    fail("ranks " + RankList(joined) + " have joined (perseus_legacy.join()); every rank must "
+         "make the same process-set calls");
+  } else if (calls.size() > 1) {
+    std::string text = "the ranks disagree: ";
+    for (size_t i = 0; i < calls.size(); ++i) {
+      text += (i ? ", " : "") + std::string("ranks ") + RankList(calls[i].second) + " called " +
+              calls[i].first;
+    }
+    fail(text + "; every rank must make the same process-set calls in the same order");
+  } else if (add) {
+    std::vector<int> ranks(first.ranks.begin(), first.ranks.end());
+    std::sort(ranks.begin(), ranks.end());
+    const bool duplicates = std::adjacent_find(ranks.begin(), ranks.end()) != ranks.end();
+    int32_t existing = -1;
+    for (const auto& [id, members] : sets_) {
+      if (members == ranks) existing = id;
+    }
+    if (ranks.empty() || duplicates || ranks.front() < 0 || ranks.back() >= options_.size) {
+      fail("ranks " + ShapeString(first.ranks) + " must be distinct ranks of [0, " +
+           std::to_string(options_.size) + "), at least one");
+    } else if (existing >= 0) {
+      fail("process set " + std::to_string(existing) + " already has ranks " + RankList(ranks));
+    } else {
+      answer.process_set_id = next_set_id_++;
+      answer.sizes.assign(ranks.begin(), ranks.end());
+      sets_[answer.process_set_id] = std::move(ranks);
+    }
+  } else if (first.id == 0) {
+    fail("the global process set (id 0) cannot be removed");
+  } else if (sets_.count(first.id) == 0) {
+    fail("no process set has id " + std::to_string(first.id));
+  } else {
+    // Tensors still waiting on the set can never run now.
+    for (auto it = table_.begin(); it != table_.end();) {
+      const PendingTensor& p = it->second;
+      const auto submitter = std::find(p.submitted.begin(), p.submitted.end(), true);
+      const RequestMeta& meta = p.per_rank[submitter - p.submitted.begin()];
+      if (meta.process_set_id != first.id) {
+        ++it;
+        continue;
+      }
+      Response error;
+      error.type = ResponseType::kError;
+      error.names = {it->first};
+      error.error = "perseus_legacy: " + Quoted(meta.type, it->first) + ": " +
+                    SetDescription(first.id) + " was removed while it was pending";
+      out->push_back(std::move(error));
+      it = table_.erase(it);
+    }
+    sets_.erase(first.id);
+    answer.process_set_id = first.id;
+  }
+  out->push_back(std::move(answer));
+  set_changes_.assign(options_.size, AskedChange());
+  set_change_count_ = 0;
 }
 
 }  // namespace perseus

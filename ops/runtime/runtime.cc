@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -86,6 +87,7 @@ class Runtime {
     // so leave it and the controller alone rather than tear them down under it.
     if (thread_.joinable()) {
       thread_.detach();
+      for (auto& [id, set] : set_controllers_) static_cast<void>(set.release());
       static_cast<void>(controller_.release());
     }
   }
@@ -94,6 +96,8 @@ class Runtime {
   void Shutdown();
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
   Status Join(int* last_joined_rank);
+  Status ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id);
+  std::vector<std::pair<int32_t, std::vector<int>>> process_sets();
   bool TakePeerJoined() { return peer_joined_.exchange(false); }
 
   bool initialized() const { return initialized_.load(); }
@@ -124,6 +128,11 @@ class Runtime {
   bool CommunicationFailed(const Status& s, const char* during);
   void Complete(const std::vector<std::string>& names, const Status& status);
   void FinishJoin(const Status& status, int last_joined_rank);
+  // Applies an answered process-set change on this rank; false when the transport failed.
+  bool ApplySetChange(const Response& response);
+  void FinishSetChange(const Status& status, int32_t id);
+  // An error unless this rank is in the process set `request` names (under mu_).
+  Status CheckProcessSet(const CollectiveRequest& request) const;
   void Stop(const std::string& reason, const MessageFor& message_for);
   void Log(const std::string& text) const;
   // The timeline's QUEUED and NEGOTIATE events of this rank's `entries` of `response`.
@@ -157,12 +166,25 @@ class Runtime {
   Status join_status_;
   int join_last_ = -1;
   std::condition_variable join_cv_;
+  // The registered process sets, by id, each's ranks in order (the background thread changes
+  // them, any thread reads them).
+  std::map<int32_t, std::vector<int>> sets_;
+  // add/remove_process_set: one call at a time (set_change_mu_); the same states as join's.
+  std::mutex set_change_mu_;
+  JoinState set_change_state_ = JoinState::kIdle;
+  SetChange set_change_ = SetChange::kNone;
+  std::vector<int64_t> set_change_ranks_;
+  int32_t set_change_id_ = 0;
+  Status set_change_status_;
+  std::condition_variable set_change_cv_;
 
   // Background thread only.
   bool joined_ = false;  // this rank announced a join that has not finished yet
   AnnouncedTable announced_;
   CacheRounds cache_{0};
   std::unique_ptr<Coordinator> coordinator_;  // rank 0 only
+  // The data planes of the process sets this rank belongs to (the global set's is controller_).
+  std::map<int32_t, std::unique_ptr<Controller>> set_controllers_;
   FusionBuffer fusion_;
   int64_t round_start_us_ = 0;  // while a timeline runs: when the current round started
 };
@@ -219,7 +241,11 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
     shutdown_requested_ = false;
     stopped_reason_.clear();
     join_state_ = JoinState::kIdle;
+    set_change_state_ = JoinState::kIdle;
+    sets_.clear();
+    for (int r = 0; r < size_; ++r) sets_[0].push_back(r);
   }
+  set_controllers_.clear();
   thread_ = std::thread(&Runtime::Loop, this);
   initialized_ = true;
   return Status::OK();
@@ -248,6 +274,11 @@ void Runtime::Shutdown() {
   }
   threads_supported_ = false;
   coordinator_.reset();
+  set_controllers_.clear();  // they may use the controller's connections
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    sets_.clear();
+  }
   controller_.reset();  // frees the communicators; finalizes MPI if Init started it
 }
 
@@ -260,7 +291,92 @@ Status Runtime::AdmitLocked(CollectiveRequest& request) {
     return Status::Error("perseus_legacy: cannot run " + Quoted(request.type, request.name) +
                          ": shutdown() was called on this rank");
   }
-  return queue_.Admit(request, rank_);
+  Status s = CheckProcessSet(request);
+  return s.ok() ? queue_.Admit(request, rank_) : s;
+}
+
+Status Runtime::CheckProcessSet(const CollectiveRequest& request) const {
+  if (request.process_set_id == 0) return Status::OK();
+  const std::string what = "perseus_legacy: " + Quoted(request.type, request.name) + " on rank " +
+                           std::to_string(rank_) + ": ";
+  auto set = sets_.find(request.process_set_id);
+  if (set == sets_.end()) {
+    return Status::Error(what + "process set " + std::to_string(request.process_set_id) +
+                         " is not registered (add_process_set() or init(process_sets=...))");
+  }
+  if (!std::binary_search(set->second.begin(), set->second.end(), rank_.load())) {
+    return Status::Error(what + "this rank is not in process set " +
+                         std::to_string(request.process_set_id) + " (ranks " +
+                         RankList(set->second) + "); only its ranks may run its collectives");
+  }
+  return Status::OK();
+}
+
+std::vector<std::pair<int32_t, std::vector<int>>> Runtime::process_sets() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {sets_.begin(), sets_.end()};
+}
+
+Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id) {
+  const char* what = kind == SetChange::kAdd ? "add_process_set()" : "remove_process_set()";
+  std::lock_guard<std::mutex> one_at_a_time(set_change_mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!initialized_) {
+    return Status::Error(std::string("perseus_legacy has not been initialized: call "
+                                     "perseus_legacy.init() before ") + what);
+  }
+  if (!stopped_reason_.empty()) {
+    return Status::Error(std::string("perseus_legacy: ") + what + " failed: " + stopped_reason_);
+  }
+  if (shutdown_requested_) {
+    return Status::Error(std::string("perseus_legacy: cannot call ") + what +
+                         ": shutdown() was called on rank " + std::to_string(rank_));
+  }
+  set_change_ = kind;
+  set_change_ranks_.assign(ranks.begin(), ranks.end());
+  set_change_id_ = *id;
+  set_change_state_ = JoinState::kRequested;
+  cv_.notify_one();
+  set_change_cv_.wait(lock, [this] { return set_change_state_ == JoinState::kDone; });
+  set_change_state_ = JoinState::kIdle;
+  *id = set_change_id_;
+  return set_change_status_;
+}
+
+void Runtime::FinishSetChange(const Status& status, int32_t id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (set_change_state_ != JoinState::kAnnounced && set_change_state_ != JoinState::kRequested) {
+      return;
+    }
+    set_change_state_ = JoinState::kDone;
+    set_change_status_ = status;
+    set_change_id_ = id;
+  }
+  set_change_cv_.notify_all();
+}
+
+bool Runtime::ApplySetChange(const Response& response) {
+  if (!response.error.empty()) {
+    FinishSetChange(Status::Error(response.error, ErrorKind::kMismatch), -1);
+    return true;
+  }
+  const int32_t id = response.process_set_id;
+  if (response.type == ResponseType::kProcessSetRemoved) {
+    set_controllers_.erase(id);
+    std::lock_guard<std::mutex> lock(mu_);
+    sets_.erase(id);
+  } else {
+    const std::vector<int> ranks(response.sizes.begin(), response.sizes.end());
+    std::unique_ptr<Controller> set;
+    const Status s = controller_->CreateProcessSet(ranks, &set);
+    if (CommunicationFailed(s, " while adding a process set")) return false;
+    if (set) set_controllers_[id] = std::move(set);
+    std::lock_guard<std::mutex> lock(mu_);
+    sets_[id] = ranks;
+  }
+  FinishSetChange(Status::OK(), id);
+  return true;
 }
 
 std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests) {
@@ -332,7 +448,8 @@ void Runtime::Loop() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto has_news = [this] {
-        return !queue_.empty() || shutdown_requested_ || join_state_ == JoinState::kRequested;
+        return !queue_.empty() || shutdown_requested_ || join_state_ == JoinState::kRequested ||
+               set_change_state_ == JoinState::kRequested;
       };
       // Idle ranks sleep until an arrival (negotiated at once: a lone request must not wait a
       // cycle) or the heartbeat. Ranks with requests outstanding keep joining rounds, since the
@@ -342,7 +459,7 @@ void Runtime::Loop() {
       // cycle time, which also batches the arrivals in between into one round. A joined rank
       // waits on the others' submissions like a rank with requests outstanding.
       if (!has_news()) {
-        if (announced_.empty() && !joined_) {
+        if (announced_.empty() && !joined_ && set_change_state_ != JoinState::kAnnounced) {
           cv_.wait_for(lock, kHeartbeat, has_news);
         } else if (!last_round_progressed) {
           cv_.wait_for(lock, cycle, has_news);
@@ -355,6 +472,12 @@ void Runtime::Loop() {
       if (join_state_ == JoinState::kRequested) {
         join_state_ = JoinState::kAnnounced;
         mine.joined = joined_ = true;
+      }
+      if (set_change_state_ == JoinState::kRequested) {
+        set_change_state_ = JoinState::kAnnounced;
+        mine.set_change = set_change_;
+        mine.set_ranks = set_change_ranks_;
+        mine.set_id = set_change_id_;
       }
     }
     if (!RunRound(fresh, &mine, &last_round_progressed)) return;
@@ -391,7 +514,10 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
   RuntimeStats::Add(stats_.cache_rounds, 1);
   const bool busy_coordinator = coordinator_ && coordinator_->has_pending();
   std::vector<uint64_t> bits = cache_.Offer(
-      fresh, &announced_, mine->shutting_down || mine->joined || busy_coordinator, joined_);
+      fresh, &announced_,
+      mine->shutting_down || mine->joined || mine->set_change != SetChange::kNone ||
+          busy_coordinator,
+      joined_);
   if (CommunicationFailed(controller_->AllreduceBitsAnd(&bits), " while negotiating")) {
     return false;
   }
@@ -456,6 +582,10 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
       case ResponseType::kJoin:
         FinishJoin(Status::OK(), response.root_rank);
         break;
+      case ResponseType::kProcessSetAdded:
+      case ResponseType::kProcessSetRemoved:
+        if (!ApplySetChange(response)) return false;
+        break;
       case ResponseType::kError: {
         std::vector<std::string> mine_failed;
         for (const std::string& name : response.names) {
@@ -472,6 +602,12 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
 }
 
 bool Runtime::Execute(const Response& response, bool from_cache) {
+  Controller* controller = controller_.get();
+  if (response.process_set_id != 0) {
+    auto set = set_controllers_.find(response.process_set_id);
+    if (set == set_controllers_.end()) return true;  // not in the set: nothing to do here
+    controller = set->second.get();
+  }
   const bool without_data = std::find(response.joined_ranks.begin(), response.joined_ranks.end(),
                                       rank_.load()) != response.joined_ranks.end();
   std::vector<CollectiveRequest*> entries;
@@ -490,7 +626,7 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
   Status op;
   const Status comm =
-      Operations(controller_.get(), &fusion_, &stats_, &timeline_).Run(response, entries, &op);
+      Operations(controller, &fusion_, &stats_, &timeline_).Run(response, entries, &op);
   if (!comm.ok()) {
     const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
                                comm.message();
@@ -499,8 +635,9 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
     });
     return false;
   }
-  if (!from_cache && response.joined_ranks.empty()) {
-    // Every rank executed it with its own data.
+  if (!from_cache && response.joined_ranks.empty() && response.process_set_id == 0) {
+    // Every rank executed it with its own data. Other process sets' collectives always go
+    // through the coordinator: the cache's bit vector is an AND over every rank.
     RuntimeStats::Add(stats_.cache_evictions, cache_.Remember(response, &announced_));
   }
   if (!without_data) {
@@ -559,6 +696,7 @@ void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
   cache_.ForgetWaiting();
   for (CollectiveRequest& request : queued) request.done(Status::Error(message_for(request.name)));
   FinishJoin(Status::Error("perseus_legacy: join() failed: " + reason), -1);
+  FinishSetChange(Status::Error("perseus_legacy: the process-set change failed: " + reason), -1);
 }
 
 std::vector<std::pair<std::string, int64_t>> Runtime::stats() const {
@@ -606,6 +744,16 @@ std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
   return State().EnqueueAll(std::move(requests));
 }
 Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
+Status AddProcessSet(const std::vector<int>& ranks, int32_t* id) {
+  *id = 0;
+  return State().ChangeProcessSet(SetChange::kAdd, ranks, id);
+}
+Status RemoveProcessSet(int32_t id) {
+  return State().ChangeProcessSet(SetChange::kRemove, {}, &id);
+}
+std::vector<std::pair<int32_t, std::vector<int>>> ProcessSets() {
+  return State().process_sets();
+}
 std::vector<std::pair<std::string, int64_t>> RuntimeStatsSnapshot() { return State().stats(); }
 Status StartTimeline(const std::string& path) { return State().StartTimeline(path); }
 void StopTimeline() { State().StopTimeline(); }

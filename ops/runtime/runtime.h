@@ -83,6 +83,17 @@ void StopTimeline();
 // its own, that another rank has stopped.
 bool TakePeerJoined();
 
+// Process sets (request.process_set_id): subsets of the ranks that run collectives among
+// themselves, negotiated through the same coordinator as every other collective. The global set,
+// id 0, holds every rank. AddProcessSet and RemoveProcessSet are collective over every rank, in
+// the same order everywhere, and block until every rank has called them; they fail on every rank,
+// naming the ranks, when the ranks' calls disagree or a rank has joined. Ids are never reused.
+Status AddProcessSet(const std::vector<int>& ranks, int32_t* id);
+Status RemoveProcessSet(int32_t id);
+// Every registered process set (id, its ranks in order), the global set first; empty when not
+// initialized.
+std::vector<std::pair<int32_t, std::vector<int>>> ProcessSets();
+
 // Enqueue for several requests with a single wake-up of the background thread (grouped ops).
 // Element i is what Enqueue would have returned for requests[i].
 std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);

@@ -19,7 +19,7 @@ std::string StallInspector::Check(Clock::time_point now, const std::vector<bool>
     for (int r = 0; r < size_; ++r) {
       if (p.submitted[r]) {
         present.push_back(r);
-      } else if (!joined[r]) {
+      } else if (p.required[r] && !joined[r]) {
         missing.push_back(r);
       }
     }

@@ -17,6 +17,7 @@ RequestMeta MetaOf(const CollectiveRequest& request) {
   meta.postscale_factor = request.postscale_factor;
   meta.shape = request.shape;
   meta.splits = request.splits;
+  meta.process_set_id = request.process_set_id;
   return meta;
 }
 

@@ -72,6 +72,15 @@ tf::Status FailedCollective(const std::string& what, const Status& status) {
   return tf::errors::Unknown(text);
 }
 
+// The number of ranks in process set `id` on this rank, or -1 when it is not registered (the
+// runtime then refuses the request with an error naming the set).
+int ProcessSetSize(int32_t id) {
+  for (const auto& [set, ranks] : perseus::ProcessSets()) {
+    if (set == id) return static_cast<int>(ranks.size());
+  }
+  return -1;
+}
+
 std::vector<int64_t> ShapeOf(const TensorShape& shape) {
   std::vector<int64_t> dims;
   dims.reserve(shape.dims());
@@ -89,6 +98,7 @@ class CollectiveOpKernel : public AsyncOpKernel {
     // An empty name means "the node name": unique within a graph, and identical on every rank
     // when every rank builds the same graph.
     if (tensor_name_.empty()) tensor_name_ = name();
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("process_set_id", &process_set_id_));
     description_ = type_string() + " '" + tensor_name_ + "'";
   }
 
@@ -106,6 +116,7 @@ class CollectiveOpKernel : public AsyncOpKernel {
     const Tensor& input = ctx->input(0);
     request->name = tensor_name_;
     request->type = type_;
+    request->process_set_id = process_set_id_;
     TF_RETURN_IF_ERROR(ToPerseusDataType(input.dtype(), &request->dtype));
     request->shape = ShapeOf(input.shape());
     request->input = input.data();
@@ -134,10 +145,12 @@ class CollectiveOpKernel : public AsyncOpKernel {
   }
 
   const std::string& tensor_name() const { return tensor_name_; }
+  int process_set_id() const { return process_set_id_; }
 
  private:
   CollectiveType type_;
   std::string tensor_name_;
+  int process_set_id_ = 0;
   std::string description_;  // "PerseusAllreduce 'name'", for error messages
 };
 
@@ -254,6 +267,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
   explicit GroupedAllreduceOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tensor_name", &tensor_name_));
     if (tensor_name_.empty()) tensor_name_ = name();
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("process_set_id", &process_set_id_));
     OP_REQUIRES_OK(ctx, reduction_.Read(ctx));
   }
 
@@ -270,6 +284,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
       const Tensor& input = ctx->input(i);
       request.name = tensor_name_ + "." + std::to_string(i);
       request.type = CollectiveType::kAllreduce;
+      request.process_set_id = process_set_id_;
       OP_REQUIRES_OK_ASYNC(ctx, ToPerseusDataType(input.dtype(), &request.dtype), done);
       request.shape = ShapeOf(input.shape());
       request.input = input.data();
@@ -308,6 +323,7 @@ class GroupedAllreduceOp : public AsyncOpKernel {
 
  private:
   std::string tensor_name_;
+  int process_set_id_ = 0;
   Reduction reduction_;
 };
 
@@ -410,7 +426,8 @@ class AlltoallOp : public CollectiveOpKernel {
 
  private:
   tf::Status CheckSplits(const std::vector<int64_t>& splits, int64_t rows) const {
-    const int size = perseus::Size();
+    const int size = ProcessSetSize(process_set_id());
+    if (size <= 0) return tf::OkStatus();  // an unknown set: the runtime names it
     if (splits.empty()) {
       if (rows % size != 0) {
         return tf::errors::InvalidArgument("alltoall '", tensor_name(), "': without splits, dim 0 (",
@@ -462,6 +479,7 @@ REGISTER_OP("PerseusAllreduce")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("reduced: T")
     .SetIsStateful()
@@ -474,6 +492,7 @@ REGISTER_OP("PerseusGroupedAllreduce")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensors: T")
     .Output("reduced: T")
     .SetIsStateful()
@@ -486,6 +505,7 @@ REGISTER_OP("PerseusGroupedAllreduce")
 REGISTER_OP("PerseusAllgather")
     .Attr("T: {" PERSEUS_ALL_TYPES "}")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("gathered: T")
     .SetIsStateful()
@@ -496,6 +516,7 @@ REGISTER_OP("PerseusBroadcast")
     .Attr("T: {" PERSEUS_ALL_TYPES "}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Output("broadcast: T")
     .SetIsStateful()
@@ -506,6 +527,7 @@ REGISTER_OP("PerseusAlltoall")
     .Attr("T: {" PERSEUS_ALL_TYPES "}")
     .Attr("Tsplits: {int32, int64} = DT_INT32")
     .Attr("tensor_name: string = ''")
+    .Attr("process_set_id: int = 0")
     .Input("tensor: T")
     .Input("splits: Tsplits")
     .Output("received: T")

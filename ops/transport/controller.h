@@ -53,6 +53,14 @@ class Controller {
   virtual Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
+
+  // A controller whose data plane runs over `ranks` only (sorted ranks of this controller):
+  // its rank() and size() are this rank's position in `ranks` and their number, and it has no
+  // control plane (negotiation stays with this controller). Collective: every rank of this
+  // controller calls it at the same point; a rank outside `ranks` receives null. The new
+  // controller may use this one's connections: it must be destroyed first.
+  virtual Status CreateProcessSet(const std::vector<int>& ranks,
+                                  std::unique_ptr<Controller>* out) = 0;
 };
 
 // The transports. Each connects this rank to every other one and waits for all of them

@@ -204,6 +204,11 @@ MpiController::~MpiController() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
+  if (process_set_) {
+    // A lost rank is handled (MPI_Abort) by the parent, which is destroyed after this one.
+    if (failed_.ok() && data_ != MPI_COMM_NULL) MPI_Comm_free(&data_);
+    return;
+  }
   if (!failed_.ok()) {
     // A rank stopped answering: freeing the communicators or MPI_Finalize would wait for it
     // forever, and so would mpi4py's finalize at exit. End the job, as mpirun does when a rank
@@ -225,6 +230,33 @@ MpiController::~MpiController() {
     if (*comm != MPI_COMM_NULL) MPI_Comm_free(comm);
   }
   if (owns_mpi_) MPI_Finalize();
+}
+
+Status MpiController::CreateProcessSet(const std::vector<int>& ranks,
+                                       std::unique_ptr<Controller>* out) {
+  out->reset();
+  if (!failed_.ok()) return failed_;
+  const bool member = std::binary_search(ranks.begin(), ranks.end(), rank_);
+  MPI_Comm comm = MPI_COMM_NULL;
+  Status s = Check(MPI_Comm_split(data_, member ? 0 : MPI_UNDEFINED, rank_, &comm),
+                   "MPI_Comm_split");
+  if (!s.ok() || !member) return s;
+  auto set = std::make_unique<MpiController>();
+  set->process_set_ = true;
+  set->data_ = comm;
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm, &set->rank_);
+  MPI_Comm_size(comm, &set->size_);
+  set->threads_multiple_ = threads_multiple_;
+  set->half_type_ = half_type_;
+  set->bfloat16_type_ = bfloat16_type_;
+  set->half_ops_ = half_ops_;
+  set->bfloat16_ops_ = bfloat16_ops_;
+  set->warning_secs_ = warning_secs_;
+  set->shutdown_secs_ = shutdown_secs_;
+  for (int r : ranks) set->hosts_.push_back(hosts_[r]);
+  *out = std::move(set);
+  return Status::OK();
 }
 
 std::string MpiController::Describe(const std::vector<int>& ranks) const {

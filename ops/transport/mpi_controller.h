@@ -54,6 +54,8 @@ class MpiController : public Controller {
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                    const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
   Status Barrier() override;
+  // A communicator split from the data communicator (MPI_Comm_split): collective over every rank.
+  Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
 
  private:
   friend Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
@@ -67,6 +69,8 @@ class MpiController : public Controller {
   MPI_Op Op(DataType dtype, ReduceOp op) const;
 
   bool owns_mpi_ = false;
+  // A process set's controller: only data_ is its own; the types and ops are its parent's.
+  bool process_set_ = false;
   bool threads_multiple_ = false;
   MPI_Comm control_ = MPI_COMM_NULL;
   MPI_Comm data_ = MPI_COMM_NULL;

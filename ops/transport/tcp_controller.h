@@ -57,6 +57,25 @@ class TcpController : public Controller {
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                    const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
   Status Barrier() override;
+  // Over the data mesh's connections between `ranks`: no communication (tcp_process_set.cc).
+  Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
+
+  // The ranks a data-plane operation runs over, in order, and this rank's position among them.
+  struct Group {
+    std::vector<int> ranks;
+    int me = 0;
+    int size() const { return static_cast<int>(ranks.size()); }
+    // The rank at `position`, taken around the ring (negative and past-the-end wrap).
+    int at(int position) const { return ranks[((position % size()) + size()) % size()]; }
+  };
+  // The collectives over `group`; counts, splits and the root are by position in the group.
+  Status GroupAllreduce(const Group& group, const void* in, void* out, int64_t count,
+                        DataType dtype, ReduceOp op);
+  Status GroupAllgatherv(const Group& group, const void* in, void* out,
+                         const std::vector<int64_t>& counts, size_t unit_bytes);
+  Status GroupBroadcast(const Group& group, void* data, int64_t bytes, int root);
+  Status GroupAlltoallv(const Group& group, const void* in, const std::vector<int64_t>& send_counts,
+                        void* out, const std::vector<int64_t>& recv_counts, size_t unit_bytes);
 
  private:
   struct Peer {
@@ -84,6 +103,7 @@ class TcpController : public Controller {
   };
   enum class Pumped { kOk, kAbort, kClosed };
 
+  Group Everyone() const;
   friend Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
   Status Rendezvous();
   void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,

@@ -1,6 +1,7 @@
 // The TCP transport's data plane: one nonblocking engine (Stream) and the collectives built on
 // it: ring allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv.
+// overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv. Each runs over a
+// Group of ranks: every rank, or a process set's members over their connections of the mesh.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -130,13 +131,40 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
   }
 }
 
+TcpController::Group TcpController::Everyone() const {
+  Group group;
+  for (int r = 0; r < size_; ++r) group.ranks.push_back(r);
+  group.me = options_.rank;
+  return group;
+}
+
 Status TcpController::Allreduce(const void* in, void* out, int64_t count, DataType dtype,
                                 ReduceOp op) {
+  return GroupAllreduce(Everyone(), in, out, count, dtype, op);
+}
+
+Status TcpController::Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
+                                 size_t unit_bytes) {
+  return GroupAllgatherv(Everyone(), in, out, counts, unit_bytes);
+}
+
+Status TcpController::Broadcast(void* data, int64_t bytes, int root) {
+  return GroupBroadcast(Everyone(), data, bytes, root);
+}
+
+Status TcpController::Alltoallv(const void* in, const std::vector<int64_t>& send_counts,
+                                void* out, const std::vector<int64_t>& recv_counts,
+                                size_t unit_bytes) {
+  return GroupAlltoallv(Everyone(), in, send_counts, out, recv_counts, unit_bytes);
+}
+
+Status TcpController::GroupAllreduce(const Group& group, const void* in, void* out,
+                                     int64_t count, DataType dtype, ReduceOp op) {
   if (!failed_.ok()) return failed_;
   const size_t item = DataTypeSize(dtype);
   char* data = static_cast<char*>(out);
   const char* source = static_cast<const char*>(in);
-  const int n = size_, me = options_.rank;
+  const int n = group.size(), me = group.me;
   if (n == 1 || count == 0) {
     if (in != out) std::memcpy(data, in, count * item);
     return Status::OK();
@@ -165,13 +193,13 @@ Status TcpController::Allreduce(const void* in, void* out, int64_t count, DataTy
     recvs.push_back(segment(me - t));
   }
   const Reduction reduction{dtype, op, static_cast<size_t>(n - 1), source, data};
-  return Stream((me + 1) % n, sends, (me + n - 1) % n, recvs, 1, &reduction);
+  return Stream(group.at(me + 1), sends, group.at(me - 1), recvs, 1, &reduction);
 }
 
-Status TcpController::Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
-                                 size_t unit_bytes) {
+Status TcpController::GroupAllgatherv(const Group& group, const void* in, void* out,
+                                      const std::vector<int64_t>& counts, size_t unit_bytes) {
   if (!failed_.ok()) return failed_;
-  const int n = size_, me = options_.rank;
+  const int n = group.size(), me = group.me;
   char* data = static_cast<char*>(out);
   std::vector<size_t> offset(n + 1, 0);
   for (int r = 0; r < n; ++r) offset[r + 1] = offset[r] + counts[r] * unit_bytes;
@@ -188,17 +216,17 @@ Status TcpController::Allgatherv(const void* in, void* out, const std::vector<in
     sends.push_back(block(me - t));
     recvs.push_back(block(me - t - 1));
   }
-  return Stream((me + 1) % n, sends, (me + n - 1) % n, recvs, 1, nullptr);
+  return Stream(group.at(me + 1), sends, group.at(me - 1), recvs, 1, nullptr);
 }
 
 // A chain from the root around the ring, forwarded chunk by chunk as it arrives.
-Status TcpController::Broadcast(void* data, int64_t bytes, int root) {
+Status TcpController::GroupBroadcast(const Group& group, void* data, int64_t bytes, int root) {
   if (!failed_.ok()) return failed_;
-  const int n = size_;
+  const int n = group.size();
   if (n == 1 || bytes == 0) return Status::OK();
-  const int position = (options_.rank - root + n) % n;
+  const int position = (group.me - root + n) % n;
   const Piece all{static_cast<char*>(data), static_cast<size_t>(bytes)};
-  const int next = (options_.rank + 1) % n, prev = (options_.rank + n - 1) % n;
+  const int next = group.at(group.me + 1), prev = group.at(group.me - 1);
   std::vector<Piece> sends, recvs;
   if (position != n - 1) sends.push_back(all);
   if (position != 0) recvs.push_back(all);
@@ -207,11 +235,11 @@ Status TcpController::Broadcast(void* data, int64_t bytes, int root) {
                 position == 0 ? -1 : 0, nullptr);
 }
 
-Status TcpController::Alltoallv(const void* in, const std::vector<int64_t>& send_counts,
-                                void* out, const std::vector<int64_t>& recv_counts,
-                                size_t unit_bytes) {
+Status TcpController::GroupAlltoallv(const Group& group, const void* in,
+                                     const std::vector<int64_t>& send_counts, void* out,
+                                     const std::vector<int64_t>& recv_counts, size_t unit_bytes) {
   if (!failed_.ok()) return failed_;
-  const int n = size_, me = options_.rank;
+  const int n = group.size(), me = group.me;
   std::vector<size_t> send_offset(n + 1, 0), recv_offset(n + 1, 0);
   for (int r = 0; r < n; ++r) {
     send_offset[r + 1] = send_offset[r] + send_counts[r] * unit_bytes;
@@ -229,7 +257,7 @@ Status TcpController::Alltoallv(const void* in, const std::vector<int64_t>& send
     const std::vector<Piece> sends{{source + send_offset[to], send_offset[to + 1] - send_offset[to]}};
     const std::vector<Piece> recvs{
         {target + recv_offset[from], recv_offset[from + 1] - recv_offset[from]}};
-    Status s = Stream(to, sends, from, recvs, -1, nullptr);
+    Status s = Stream(group.ranks[to], sends, group.ranks[from], recvs, -1, nullptr);
     if (!s.ok()) return s;
   }
   return Status::OK();

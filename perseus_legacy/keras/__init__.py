@@ -56,3 +56,9 @@ from perseus_legacy.keras.collectives import (  # noqa: F401
     reducescatter,
 )
 from perseus_legacy.ops import alltoall, grouped_allreduce  # noqa: F401
+from perseus_legacy.process_sets import (  # noqa: F401
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)

@@ -156,7 +156,8 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
                          gradient_predivide_factor: float = 1.0, op: int = Average,
                          backward_passes_per_step: int = 1,
                          average_aggregated_gradients: bool = False, num_groups: int = 0,
-                         groups: Any = None, scale_local_gradients: bool = True) -> Any:
+                         groups: Any = None, scale_local_gradients: bool = True,
+                         process_set: Any = None) -> Any:
     """A new optimizer of `optimizer`'s class and config whose gradients are reduced over ranks.
 
     The result is an instance of (a subclass of) the same Keras optimizer class, built from
@@ -165,12 +166,14 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
     sparse unless `sparse_as_dense=True`; `compression=Compression.fp16` sends float16. With
     `backward_passes_per_step=k`, k passes are summed locally (averaged with
     `average_aggregated_gradients`) before one reduction and update. `device_dense` and
-    `device_sparse` are ignored (kernels run on the CPU).
+    `device_sparse` are ignored (kernels run on the CPU). With `process_set`, gradients are
+    reduced over its ranks only.
     """
     _check_optimizer(optimizer)
     reducer = GradientReducer(name or "Distributed" + type(optimizer).__name__, compression,
                               sparse_as_dense, op, gradient_predivide_factor,
-                              resolve_groups(num_groups, groups), scale_local_gradients)
+                              resolve_groups(num_groups, groups), scale_local_gradients,
+                              process_set)
     return _wrap(optimizer, reducer, backward_passes_per_step, average_aggregated_gradients)
 
 
