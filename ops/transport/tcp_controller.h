@@ -86,10 +86,13 @@ class TcpController : public Controller {
 
   friend Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
   Status Rendezvous();
+  struct Pending;
   void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
-                  std::string* last_error);
-  Status AcceptOne(int fd, const std::string& from);
-  Status Dial(int peer, int channel, double deadline);
+                  std::vector<std::string>* unproven);
+  bool ClaimFits(const std::string& claim, std::string* why) const;
+  Status AcceptOne(int fd, const std::string& nonce, const std::string& claim);
+  // `refused`: set when the peer refused our proof of the secret.
+  Status Dial(int peer, int channel, double deadline, bool* refused);
   Status StartupBarrier(double deadline);
 
   // The one data-plane engine: sends `sends` to send_peer while receiving `recvs` from
