@@ -86,14 +86,17 @@ def refusal_lines(rank: int, out: str) -> list[tuple[str, str]]:
 
 def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them():
     """30 idle and 30 garbage-sending connections (an HTTP request, 4 KiB of noise, a claim
-    without the secret) to rank 0 and to rank 1 before rank 2 starts: more than the 32
-    handshakes a rank lets wait, so the oldest idle ones are dropped for newer ones."""
+    without the secret) to rank 0 and to rank 1 while they wait for the other ranks: more than
+    the 32 handshakes a rank lets wait, so the oldest idle ones are dropped for newer ones."""
     addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
-    ranks = [start_rank(0, addresses), start_rank(1, addresses)]
+    ranks = []
     strangers: dict[int, list[socket.socket]] = {0: [], 1: []}
     names: dict[int, set[str]] = {0: set(), 1: set()}
     try:
+        # Rank 1 starts after rank 0's flood (so none of its own handshakes can be dropped
+        # among the strangers' and counted with them) and rank 2 after rank 1's.
         for target in (0, 1):
+            ranks.append(start_rank(target, addresses))
             idle = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
             garbage = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
             for i, sock in enumerate(garbage):
@@ -138,16 +141,16 @@ def test_a_rank_with_a_wrong_secret_fails_the_job_on_every_rank_naming_it():
     2 fail when the start timeout ends, each naming rank 1 as the one that did not prove the
     secret (rank 2 was refused by it, or could not reach it)."""
     addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
-    ranks = [start_rank(0, addresses, "init", start_timeout=8),
-             start_rank(1, addresses, "init", start_timeout=8, secret="a-secret-of-another-job"),
-             start_rank(2, addresses, "init", start_timeout=8)]
+    ranks = [start_rank(0, addresses, "init", start_timeout=15),
+             start_rank(1, addresses, "init", start_timeout=15, secret="a-secret-of-another-job"),
+             start_rank(2, addresses, "init", start_timeout=15)]
     results = finish(ranks, timeout=60)
     everything = "\n".join(out for _, out in results)
     assert [code for code, _ in results] == [3, 3, 3], everything
     (_, zero), (_, wrong), (_, two) = results
     assert "rank 0 (127.0.0.1:" in wrong and "refused the connection of rank 1: authentication " \
         "failed (PERSEUS_SECRET must be the same on every rank" in wrong, wrong
-    assert re.search(r"ranks? \[?1\]? never arrived at rank 0 .* within PERSEUS_START_TIMEOUT=8 "
+    assert re.search(r"ranks? \[?1\]? never arrived at rank 0 .* within PERSEUS_START_TIMEOUT=15 "
                      r"s; rank 1 at 127\.0\.0\.1:\d+: a connection from 127\.0\.0\.1:\d+ claiming "
                      r"to be rank 1 did not prove the job secret \(PERSEUS_SECRET differs\)",
                      zero), zero
