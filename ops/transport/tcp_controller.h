@@ -2,9 +2,13 @@
 //
 // Start-up (tcp_rendezvous.cc): every rank listens on its own address; each rank dials every
 // lower rank once (the data mesh) and rank 0 once more (the control star). Each connection proves
-// the job secret both ways (HMAC-SHA-256 challenge / response, tcp_auth.h); a connection that
-// fails is logged on the listening rank and dropped. Ranks that do not arrive within the start
-// timeout are listed.
+// the job secret both ways (HMAC-SHA-256 challenge / response, tcp_auth.h). A rank runs all
+// its accepted handshakes at once (one poll loop, a deadline each, at most a few dozen pending:
+// a newer connection drops the oldest), so idle, garbage-sending or wrong-secret connections
+// from strangers are dropped without delaying the real ranks; each is logged on the listening
+// rank with its address and what was wrong (the first few of each kind, then a count). Ranks
+// that do not arrive within the start timeout are listed, with any refused connection that
+// claimed to be one of them.
 // Control plane (tcp_control.cc): length-prefixed frames between rank 0 and each rank
 // (negotiation messages, and abort notices that carry the first failure to every rank).
 // Data plane (tcp_ring.cc): raw bytes between pairs, moved by one nonblocking engine: ring
@@ -106,10 +110,13 @@ class TcpController : public Controller {
   Group Everyone() const;
   friend Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
   Status Rendezvous();
+  struct Pending;
   void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
-                  std::string* last_error);
-  Status AcceptOne(int fd, const std::string& from);
-  Status Dial(int peer, int channel, double deadline);
+                  std::vector<std::string>* unproven);
+  bool ClaimFits(const std::string& claim, std::string* why) const;
+  Status AcceptOne(int fd, const std::string& nonce, const std::string& claim);
+  // `refused`: set when the peer refused our proof of the secret.
+  Status Dial(int peer, int channel, double deadline, bool* refused);
   Status StartupBarrier(double deadline);
 
   // The one data-plane engine: sends `sends` to send_peer while receiving `recvs` from

@@ -28,6 +28,59 @@ constexpr int kControlChannel = 1;
 constexpr char kMagic[8] = {'P', 'E', 'R', 'S', 'E', 'U', 'S', '1'};
 constexpr size_t kNonceBytes = 32;
 constexpr double kHandshakeSecs = 10.0;  // one connection's handshake, once it is accepted
+constexpr size_t kHelloBytes = sizeof(kMagic) + 4 + kNonceBytes;        // magic, rank, nonce
+constexpr size_t kClaimHeaderBytes = 12;                                // rank, channel, size
+constexpr size_t kClaimBytes = kClaimHeaderBytes + kNonceBytes + 32;    // + nonce, HMAC
+// Accepted connections whose handshake may be under way at once; a newer one drops the oldest.
+constexpr size_t kMaxPendingHandshakes = 32;
+// Refused connections of each kind logged one line each; the rest are only counted.
+constexpr int kLoggedRefusals = 4;
+constexpr char kAuthFailed[] = "authentication failed";
+
+// Why the listening side dropped a connection, as counted in the start-up summary.
+enum class Refusal { kIdle, kGarbage, kWrongSecret, kOther, kCount };
+constexpr const char* kRefusalNames[] = {"idle or closed before finishing the handshake",
+                                         "sent bytes that are not a handshake of this job",
+                                         "did not prove the job secret",
+                                         "claimed a rank that was already connected"};
+
+// The listening rank's log of refused connections: one line each for the first
+// kLoggedRefusals of each kind, then a count by kind when start-up ends.
+class RefusalLog {
+ public:
+  explicit RefusalLog(int rank) : rank_(rank) {}
+  void Add(const std::string& from, Refusal kind, const std::string& why) {
+    if (counts_[static_cast<int>(kind)]++ < kLoggedRefusals) {
+      Log("refused a connection from " + from + ": " + why);
+    }
+    ++total_;
+  }
+  void Summarize() const {
+    if (total_ == 0) return;
+    std::string kinds;
+    bool cut = false;
+    for (int kind = 0; kind < static_cast<int>(Refusal::kCount); ++kind) {
+      if (counts_[kind] == 0) continue;
+      kinds += (kinds.empty() ? "" : ", ") + std::to_string(counts_[kind]) + " " +
+               kRefusalNames[kind];
+      cut = cut || counts_[kind] > kLoggedRefusals;
+    }
+    Log("start-up refused " + std::to_string(total_) + " connection" +
+        (total_ == 1 ? "" : "s") + " (" + kinds + ")" +
+        (cut ? "; only the first " + std::to_string(kLoggedRefusals) +
+                   " of each kind were logged one by one"
+             : ""));
+  }
+
+ private:
+  void Log(const std::string& text) const {
+    std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank_, text.c_str());
+    std::fflush(stderr);
+  }
+  int rank_;
+  int total_ = 0;
+  int counts_[static_cast<int>(Refusal::kCount)] = {};
+};
 
 std::string AsString(const Digest& digest) { return std::string(digest.begin(), digest.end()); }
 
@@ -132,11 +185,6 @@ void Tune(int fd) {
   fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
 }
 
-void Log(int rank, const std::string& text) {
-  std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank, text.c_str());
-  std::fflush(stderr);
-}
-
 }  // namespace
 
 Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out) {
@@ -169,7 +217,7 @@ Status TcpController::Rendezvous() {
   if (listener.valid()) setsockopt(listener.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   if (!listener.valid() ||
       bind(listener.fd(), reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-      listen(listener.fd(), 2 * size_ + 8) != 0) {
+      listen(listener.fd(), SOMAXCONN) != 0) {
     return Status::Error("perseus_legacy: rank " + std::to_string(me) + " cannot listen on " +
                          "its address " + options_.addresses[me] + ": " + Errno(errno) +
                          " (each task's address must belong to the machine it runs on)");
@@ -177,11 +225,17 @@ Status TcpController::Rendezvous() {
 
   // Higher ranks dial us while we dial the lower ones.
   std::atomic<bool> stop{false};
-  std::string accept_error;
+  std::vector<std::string> unproven(size_);  // per claimed rank: a refused proof of the secret
   std::thread acceptor(&TcpController::AcceptLoop, this, listener.fd(), deadline, &stop,
-                       &accept_error);
-  if (me != 0) s = Dial(0, kControlChannel, deadline);
-  for (int peer = 0; peer < me && s.ok(); ++peer) s = Dial(peer, kDataChannel, deadline);
+                       &unproven);
+  // A rank refused for its secret still dials the other lower ranks (and fails after), so that
+  // every one of them can name it when the job fails.
+  bool refused = false;
+  if (me != 0) s = Dial(0, kControlChannel, deadline, &refused);
+  for (int peer = 0; peer < me && (s.ok() || refused); ++peer) {
+    Status dialed = Dial(peer, kDataChannel, deadline, &refused);
+    if (s.ok()) s = dialed;
+  }
   if (!s.ok()) stop = true;  // the acceptor polls `stop` between waits of at most 200 ms
   acceptor.join();
   listener.Close();  // nobody joins after start-up
@@ -195,12 +249,13 @@ Status TcpController::Rendezvous() {
   }
   if (!missing.empty()) {
     std::string expected;
-    for (int peer : missing) expected += "; rank " + std::to_string(peer) + " at " +
-                                         options_.addresses[peer];
+    for (int peer : missing) {
+      expected += "; rank " + std::to_string(peer) + " at " + options_.addresses[peer] +
+                  (unproven[peer].empty() ? "" : ": " + unproven[peer]);
+    }
     return Fail(Status::Error(
         "perseus_legacy: ranks " + RankList(missing) + " never arrived at rank " +
-        std::to_string(me) + " (" + options_.addresses[me] + ") within " + limit +
-        expected + (accept_error.empty() ? "" : "; last refused connection: " + accept_error)));
+        std::to_string(me) + " (" + options_.addresses[me] + ") within " + limit + expected));
   }
   for (Peer& peer : peers_) {
     if (peer.control.valid()) Tune(peer.control.fd());
@@ -230,8 +285,21 @@ Status TcpController::StartupBarrier(double deadline) {
   return s;
 }
 
+// One accepted connection whose handshake is under way (AcceptLoop).
+struct TcpController::Pending {
+  Socket socket;
+  std::string from;    // its address, for the log
+  double deadline;     // when it is dropped if it has not finished
+  std::string nonce;   // our challenge
+  std::string claim;   // what it has sent so far
+};
+
+// All handshakes run at once in one thread: poll() over the listener and every pending
+// connection, each with its own deadline. One thread and no per-connection state beyond a few
+// bytes, so a flood costs at most kMaxPendingHandshakes descriptors and never delays the real
+// ranks (whose handshakes take milliseconds).
 void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
-                               std::string* last_error) {
+                               std::vector<std::string>* unproven) {
   auto all_arrived = [&] {
     for (int peer = options_.rank + 1; peer < size_; ++peer) {
       if (!peers_[peer].data.valid()) return false;
@@ -239,74 +307,155 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
     }
     return true;
   };
+  RefusalLog log(options_.rank);
+  std::vector<Pending> pending;  // oldest first
+  auto refuse = [&](Pending& p, Refusal kind, const std::string& why) {
+    static_cast<void>(send(p.socket.fd(), "\0", 1, MSG_NOSIGNAL | MSG_DONTWAIT));
+    log.Add(p.from, kind, why);
+    p.socket.Close();
+  };
+  fcntl(listener, F_SETFL, fcntl(listener, F_GETFL) | O_NONBLOCK);
+  std::vector<pollfd> fds;
   while (!all_arrived() && !*stop && Now() < deadline) {
-    pollfd entry{listener, POLLIN, 0};
-    const int wait_ms = static_cast<int>(std::min(200.0, (deadline - Now()) * 1000) + 1);
-    if (poll(&entry, 1, wait_ms) <= 0) continue;
-    Socket fd(accept4(listener, nullptr, nullptr, SOCK_CLOEXEC));
-    if (!fd.valid()) continue;
-    SetTimeouts(fd.fd(), kHandshakeSecs);
-    const std::string from = PeerName(fd.fd());
-    const int raw = fd.fd();
-    Status s = AcceptOne(raw, from);
-    if (s.ok()) {
-      static_cast<void>(fd.Release());  // AcceptOne stored it with its peer
-    } else {
-      *last_error = "from " + from + ": " + s.message();
-      Log(options_.rank, "refused a connection from " + from + ": " + s.message());
+    double wake = std::min(deadline, Now() + 0.2);  // `stop` is checked at least this often
+    fds.assign(1, pollfd{listener, POLLIN, 0});
+    for (const Pending& p : pending) {
+      fds.push_back({p.socket.fd(), POLLIN, 0});
+      wake = std::min(wake, p.deadline);
+    }
+    poll(fds.data(), fds.size(), static_cast<int>(std::max(0.0, wake - Now()) * 1000) + 1);
+    const double now = Now();
+    for (size_t i = 0; i < pending.size(); ++i) {
+      Pending& p = pending[i];
+      if (fds[i + 1].revents != 0) {
+        char buffer[kClaimBytes + 1];
+        const size_t want = kClaimBytes + 1 - p.claim.size();  // one more shows excess
+        const ssize_t n = recv(p.socket.fd(), buffer, want, MSG_DONTWAIT);
+        if (n == 0) {
+          log.Add(p.from, Refusal::kIdle, "it closed the connection before finishing the "
+                                           "handshake");
+          p.socket.Close();
+          continue;
+        }
+        if (n < 0 && !WouldBlock(errno)) {
+          log.Add(p.from, Refusal::kIdle, "handshake failed: " + Errno(errno));
+          p.socket.Close();
+          continue;
+        }
+        if (n > 0) p.claim.append(buffer, static_cast<size_t>(n));
+      }
+      std::string why;
+      if (p.claim.size() > kClaimBytes) {
+        refuse(p, Refusal::kGarbage, "it sent more than a handshake (" +
+                                         std::to_string(kClaimBytes) + " bytes)");
+      } else if (p.claim.size() >= kClaimHeaderBytes && !ClaimFits(p.claim, &why)) {
+        refuse(p, Refusal::kGarbage, "it sent bytes that are not a handshake of this job (" +
+                                         why + ")");
+      } else if (p.claim.size() == kClaimBytes) {
+        const int claimed = static_cast<int>(ReadU32(p.claim.data()));
+        Status s = AcceptOne(p.socket.fd(), p.nonce, p.claim);
+        if (s.ok()) {
+          static_cast<void>(p.socket.Release());  // AcceptOne stored it with its peer
+        } else if (s.message().rfind(kAuthFailed, 0) == 0) {
+          (*unproven)[claimed] = "a connection from " + p.from + " claiming to be rank " +
+                                 std::to_string(claimed) + " did not prove the job secret "
+                                 "(PERSEUS_SECRET differs)";
+          refuse(p, Refusal::kWrongSecret,
+                 s.message() + " (it claims to be rank " + std::to_string(claimed) + ")");
+        } else {
+          refuse(p, Refusal::kOther, s.message());
+        }
+      } else if (now >= p.deadline) {
+        log.Add(p.from, Refusal::kIdle, "it stayed idle past the handshake deadline (" +
+                                            Seconds(kHandshakeSecs) + " s)");
+        p.socket.Close();
+      }
+    }
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [](const Pending& p) { return !p.socket.valid(); }),
+                  pending.end());
+    if (fds[0].revents == 0) continue;
+    while (true) {  // everything the listener holds
+      Socket fd(accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+      if (!fd.valid()) break;
+      if (pending.size() >= kMaxPendingHandshakes) {  // the oldest is the likeliest idle one
+        log.Add(pending.front().from, Refusal::kIdle,
+                "dropped to make room for a newer connection (at most " +
+                    std::to_string(kMaxPendingHandshakes) + " handshakes wait at once)");
+        pending.erase(pending.begin());
+      }
+      Pending p{std::move(fd), "", now + kHandshakeSecs, "", ""};
+      p.from = PeerName(p.socket.fd());
+      Status s = RandomBytes(kNonceBytes, &p.nonce);
+      const std::string hello = std::string(kMagic, sizeof(kMagic)) + U32(options_.rank) +
+                                p.nonce;
+      // A new connection's send buffer is empty: the hello goes out whole or not at all.
+      if (s.ok() && send(p.socket.fd(), hello.data(), hello.size(), MSG_NOSIGNAL) !=
+                        static_cast<ssize_t>(hello.size())) {
+        s = Status::Error("handshake failed: " + Errno(errno));
+      }
+      if (!s.ok()) {
+        log.Add(p.from, Refusal::kIdle, s.message());
+        continue;
+      }
+      pending.push_back(std::move(p));
     }
   }
+  for (const Pending& p : pending) {
+    log.Add(p.from, Refusal::kIdle, "it had not finished its handshake when start-up ended");
+  }
+  log.Summarize();
 }
 
-// The listening side of one connection's handshake; on success the socket belongs to its peer.
-Status TcpController::AcceptOne(int fd, const std::string& from) {
-  std::string nonce;
-  Status s = RandomBytes(kNonceBytes, &nonce);
-  if (s.ok()) s = WriteFully(fd, std::string(kMagic, sizeof(kMagic)) + U32(options_.rank) + nonce);
-  std::string claim;
-  if (s.ok()) s = ReadFully(fd, 12 + kNonceBytes + 32, &claim);
-  if (!s.ok()) return Status::Error("handshake failed: " + s.message());
+// Whether a claim's header (rank, channel, job size) is one this rank expects; `why` if not.
+bool TcpController::ClaimFits(const std::string& claim, std::string* why) const {
   const uint32_t peer = ReadU32(claim.data());
   const uint32_t channel = ReadU32(claim.data() + 4);
   const uint32_t claimed_size = ReadU32(claim.data() + 8);
-  const std::string peer_nonce = claim.substr(12, kNonceBytes);
-  Digest mac;
-  std::memcpy(mac.data(), claim.data() + 12 + kNonceBytes, mac.size());
-  const Digest expected = HmacSha256(options_.secret, "perseus-claim" + nonce + peer_nonce +
-                                                         claim.substr(0, 12) + U32(options_.rank));
-  auto refuse = [&](const std::string& why) {
-    static_cast<void>(WriteFully(fd, std::string(1, '\0')));
-    return Status::Error(why);
-  };
-  if (!DigestsEqual(mac, expected)) {
-    return refuse("authentication failed: it does not know this job's secret "
-                  "(PERSEUS_SECRET differs)");
-  }
   if (static_cast<int>(claimed_size) != size_) {
-    return refuse("it belongs to a job of " + std::to_string(claimed_size) + " ranks, this one "
-                  "has " + std::to_string(size_));
+    *why = "a job of " + std::to_string(claimed_size) + " ranks; this one has " +
+           std::to_string(size_);
+  } else if (static_cast<int>(peer) <= options_.rank || static_cast<int>(peer) >= size_ ||
+             !(channel == kDataChannel || (channel == kControlChannel && options_.rank == 0))) {
+    *why = "rank " + std::to_string(peer) + " on channel " + std::to_string(channel) +
+           ", which does not dial rank " + std::to_string(options_.rank);
+  } else {
+    return true;
   }
-  const bool valid_peer = static_cast<int>(peer) > options_.rank && static_cast<int>(peer) < size_;
-  const bool valid_channel =
-      channel == kDataChannel || (channel == kControlChannel && options_.rank == 0);
-  if (!valid_peer || !valid_channel) {
-    return refuse("it claims to be rank " + std::to_string(peer) + " on channel " +
-                  std::to_string(channel) + ", which does not dial rank " +
-                  std::to_string(options_.rank));
+  return false;
+}
+
+// The listening side's verdict on a whole claim (its header fits, ClaimFits); on success the
+// answer is sent and the socket belongs to its peer. Refusals are sent by the caller.
+Status TcpController::AcceptOne(int fd, const std::string& nonce, const std::string& claim) {
+  const uint32_t peer = ReadU32(claim.data());
+  const uint32_t channel = ReadU32(claim.data() + 4);
+  const std::string peer_nonce = claim.substr(kClaimHeaderBytes, kNonceBytes);
+  Digest mac;
+  std::memcpy(mac.data(), claim.data() + kClaimHeaderBytes + kNonceBytes, mac.size());
+  const Digest expected = HmacSha256(options_.secret, "perseus-claim" + nonce + peer_nonce +
+                                                         claim.substr(0, kClaimHeaderBytes) +
+                                                         U32(options_.rank));
+  if (!DigestsEqual(mac, expected)) {
+    return Status::Error(std::string(kAuthFailed) + ": it does not know this job's secret "
+                         "(PERSEUS_SECRET differs)");
   }
   Socket& slot = channel == kDataChannel ? peers_[peer].data : peers_[peer].control;
-  if (slot.valid()) return refuse("rank " + std::to_string(peer) + " is already connected");
+  if (slot.valid()) return Status::Error("rank " + std::to_string(peer) + " is already connected");
   const Digest answer = HmacSha256(options_.secret, "perseus-accept" + peer_nonce + nonce +
                                                         U32(options_.rank) + U32(peer) +
                                                         U32(channel));
-  s = WriteFully(fd, std::string(1, '\1') + AsString(answer));
-  if (!s.ok()) return Status::Error("handshake failed: " + s.message());
+  const std::string verdict = std::string(1, '\1') + AsString(answer);
+  if (send(fd, verdict.data(), verdict.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(verdict.size())) {
+    return Status::Error("handshake failed: " + Errno(errno));
+  }
   slot = Socket(fd);
   return Status::OK();
 }
 
 // Dials `peer` until it answers or the start deadline passes; then both sides prove the secret.
-Status TcpController::Dial(int peer, int channel, double deadline) {
+Status TcpController::Dial(int peer, int channel, double deadline, bool* refused) {
   sockaddr_storage address{};
   socklen_t length = 0;
   Status s = Resolve(options_.addresses[peer], &address, &length);
@@ -321,7 +470,7 @@ Status TcpController::Dial(int peer, int channel, double deadline) {
       last_error = Errno(errno);
     } else {
       std::string hello;
-      s = ReadFully(fd.fd(), sizeof(kMagic) + 4 + kNonceBytes, &hello);
+      s = ReadFully(fd.fd(), kHelloBytes, &hello);
       if (!s.ok()) {
         last_error = "handshake: " + s.message();
       } else if (hello.compare(0, sizeof(kMagic), kMagic, sizeof(kMagic)) != 0 ||
@@ -341,6 +490,7 @@ Status TcpController::Dial(int peer, int channel, double deadline) {
         std::string verdict;
         if (s.ok()) s = ReadFully(fd.fd(), 1, &verdict);
         if (s.ok() && verdict[0] != '\1') {
+          *refused = true;
           return Status::Error(
               "perseus_legacy: " + Describe(peer) + " refused the connection of rank " +
               std::to_string(options_.rank) + ": authentication failed (PERSEUS_SECRET must be "

@@ -4,6 +4,8 @@
                         then rank 2 is killed while the others wait in an allreduce, and they
                         print the error and when it came
     tcp_task.py init    init() only (for failures at start-up); prints the error and exits 3
+    tcp_task.py sum     one allreduce against numpy (also with PERSEUS_TCP_* instead of
+                        TF_CONFIG, for tests/test_tcp_rendezvous.py)
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from worker_util import assert_close, fail, rank_data
 from perseus_legacy import _core, basics, tf_config
 
 
-def group(rank: int, size: int) -> None:
+def allreduce_sum(rank: int, size: int) -> None:
     data = [rank_data(r, (1000, 3), "float32", seed=7) for r in range(size)]
     got = _core.allreduce(data[rank], "tf_config.sum", op=basics.Sum)
     assert_close(rank, "tf_config.sum", got, np.sum(data, axis=0), rtol=1e-6)
+
+
+def group(rank: int, size: int) -> None:
+    allreduce_sum(rank, size)
     # Larger than a ring segment per rank times the reduce chunk: the pipelined path.
     big = [rank_data(r, (3 << 20,), "float64", seed=8) for r in range(size)]
     got = _core.allreduce(big[rank], "tf_config.big", op=basics.Average)
@@ -76,6 +82,9 @@ def main() -> None:
     if mode == "group":
         group(_core.rank(), _core.size())
         dead(_core.rank())
+    elif mode == "sum":
+        allreduce_sum(_core.rank(), _core.size())
+        print(f"[rank {_core.rank()}] sum OK size={_core.size()}", flush=True)
     _core.shutdown()
 
 
