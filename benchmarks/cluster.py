@@ -1,13 +1,14 @@
 """Allreduce across emulated hosts with rate-limited links: the TF op over MPI and over TCP,
 against mpi4py's Allreduce measured in the same run.
 
-    python benchmarks/cluster.py [--hosts 2,4] [--link-rate 1gbit]     (as root)
+    python benchmarks/cluster.py [--layouts 2x1,4x1,2x2] [--link-rates 1gbit,10gbit]  (as root)
 
-For each host count N (one rank per host) it launches `perseusrun --emulate-hosts N
+For each layout HOSTSxSLOTS and link rate it launches `perseusrun --emulate-hosts HOSTS:SLOTS
 --link-rate RATE` twice: over MPI (the TF op `perseus_legacy.allreduce` in a Session, and
 mpi4py's `comm.Allreduce` on numpy buffers, taking turns) and with `--tcp` (the TF op over the
 TCP controller). Columns: median ms per allreduce (Sum, float32), bus bandwidth
-2(N-1)/N * S / t (what each link carries in a ring), and that bandwidth over the link rate.
+2(N-1)/N * S / t over the N ranks (what each link carries in a ring), and that bandwidth over
+the link rate. With several ranks per host, a host's ranks share its one link.
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ def worker(controller: str, sizes: list, repeats: int, budget_s: float) -> None:
     pl.shutdown()
 
 
-def launch(hosts: int, link_rate: str, controller: str, args: argparse.Namespace) -> dict:
+def launch(hosts: int, slots: int, link_rate: str, controller: str,
+           args: argparse.Namespace) -> dict:
     perseusrun = os.path.join(os.path.dirname(sys.executable), "perseusrun")
-    cmd = [perseusrun, "--emulate-hosts", str(hosts), "--link-rate", link_rate,
+    cmd = [perseusrun, "--emulate-hosts", f"{hosts}:{slots}", "--link-rate", link_rate,
            *(["--tcp"] if controller == "tcp" else []), "--timeout", str(args.timeout),
            sys.executable, os.path.abspath(__file__), "--worker", controller,
            "--sizes", ",".join(map(str, args.sizes)), "--repeats", str(args.repeats),
@@ -99,8 +101,10 @@ def launch(hosts: int, link_rate: str, controller: str, args: argparse.Namespace
                        f"{proc.stderr}")
 
 
-def print_table(hosts: int, link_rate: str, results: dict, link_bytes_s: float) -> None:
-    print(f"\n{hosts} emulated hosts x 1 rank, links {link_rate} each way "
+def print_table(hosts: int, slots: int, link_rate: str, results: dict,
+                link_bytes_s: float) -> None:
+    ranks = hosts * slots
+    print(f"\n{hosts} emulated hosts x {slots} rank(s), links {link_rate} each way "
           "(bus bandwidth = 2(n-1)/n * S / t; mpi4py is the baseline)\n")
     print("| size | row | ms | bus GB/s | bus bw / link | vs mpi4py |")
     print("|---:|---|---:|---:|---:|---:|")
@@ -108,15 +112,18 @@ def print_table(hosts: int, link_rate: str, results: dict, link_bytes_s: float) 
         base = results["mpi4py"][nbytes]
         for row in ROWS:
             seconds = results[row][nbytes]
-            bus = 2 * (hosts - 1) / hosts * nbytes / seconds
+            bus = 2 * (ranks - 1) / ranks * nbytes / seconds
             print(f"| {nbytes // MIB} MiB | {ROWS[row]} | {seconds * 1e3:.1f} | "
                   f"{bus / 1e9:.3f} | {bus / link_bytes_s:.2f} | {base / seconds:.2f}x |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", default="2,4", help="comma-separated host counts")
-    parser.add_argument("--link-rate", default="1gbit", help="tc syntax, e.g. 1gbit, 10gbit")
+    parser.add_argument("--layouts", default="2x1,4x1,2x2",
+                        help="comma-separated HOSTSxSLOTS (ranks per host)")
+    parser.add_argument("--link-rates", default="1gbit,10gbit",
+                        help="comma-separated, tc syntax; a 2-core host cannot fill 10gbit, so "
+                             "there it measures the host, not the link")
     parser.add_argument("--sizes", type=lambda text: [int(x) for x in text.split(",")],
                         default=SIZES, help="comma-separated byte counts")
     parser.add_argument("--repeats", type=int, default=5)
@@ -129,11 +136,13 @@ def main() -> None:
         return
     from perseusrun import emulate
 
-    link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
-    for hosts in (int(h) for h in args.hosts.split(",")):
-        results = {**launch(hosts, args.link_rate, "mpi", args),
-                   **launch(hosts, args.link_rate, "tcp", args)}
-        print_table(hosts, args.link_rate, results, link_bytes_s)
+    for link_rate in args.link_rates.split(","):
+        link_bytes_s = emulate.rate_bytes_per_second(link_rate)
+        for layout in args.layouts.split(","):
+            hosts, slots = (int(x) for x in layout.split("x"))
+            results = {**launch(hosts, slots, link_rate, "mpi", args),
+                       **launch(hosts, slots, link_rate, "tcp", args)}
+            print_table(hosts, slots, link_rate, results, link_bytes_s)
 
 
 if __name__ == "__main__":

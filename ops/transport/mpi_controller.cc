@@ -276,11 +276,12 @@ std::string MpiController::Describe(const std::vector<int>& ranks) const {
 // Past warning_secs_ the ranks still awaited are named on stderr (again every warning_secs_);
 // past shutdown_secs_ the wait fails and the controller is unusable (see the destructor).
 Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector<int>& peers,
-                           const char* what, bool control) {
+                           const char* what, WaitFor kind) {
   using std::chrono::microseconds;
   if (!failed_.ok()) return failed_;
   const auto start = Clock::now();
-  const microseconds eager = control ? microseconds(200) : microseconds(1000000);
+  const bool gentle = kind != WaitFor::kCollective;
+  const microseconds eager = gentle ? microseconds(200) : microseconds(1000000);
   double next_warning = warning_secs_;
   while (true) {
     std::vector<int> waiting;
@@ -300,7 +301,7 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
       std::sort(waiting.begin(), waiting.end());
       waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
       const bool known = waiting.front() >= 0;
-      const std::string during = control ? "negotiation" : "a collective";
+      const std::string during = kind == WaitFor::kNegotiation ? "negotiation" : "a collective";
       if (give_up) {
         const std::string who =
             known ? Describe(waiting) + " stopped responding: nothing from ranks " +
@@ -331,7 +332,7 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
       continue;
     }
     std::this_thread::sleep_for(std::clamp(waited / 16, microseconds(20),
-                                           control ? microseconds(250) : microseconds(1000)));
+                                           gentle ? microseconds(250) : microseconds(1000)));
   }
 }
 
@@ -358,7 +359,7 @@ Status MpiController::GatherToCoordinator(const std::string& mine,
                           MPI_BYTE, 0, kOverflowTag, control_, &requests.back()),
                 "MPI_Isend");
     }
-    return s.ok() ? Wait(&requests, peers, "sending to the coordinator", true) : s;
+    return s.ok() ? Wait(&requests, peers, "sending to the coordinator", WaitFor::kNegotiation) : s;
   }
 
   for (int r = 1; r < size_; ++r) {
@@ -369,7 +370,7 @@ Status MpiController::GatherToCoordinator(const std::string& mine,
                      "MPI_Irecv");
     if (!s.ok()) return s;
   }
-  Status s = Wait(&requests, peers, "the coordinator's gather", true);
+  Status s = Wait(&requests, peers, "the coordinator's gather", WaitFor::kNegotiation);
   if (!s.ok()) return s;
 
   all->assign(size_, std::string());
@@ -391,7 +392,7 @@ Status MpiController::GatherToCoordinator(const std::string& mine,
               "MPI_Irecv");
     if (!s.ok()) return s;
   }
-  return Wait(&requests, peers, "the coordinator's gather", true);
+  return Wait(&requests, peers, "the coordinator's gather", WaitFor::kNegotiation);
 }
 
 Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
@@ -419,14 +420,14 @@ Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
         if (!s.ok()) return s;
       }
     }
-    return Wait(&requests, peers, "the coordinator's answer", true);
+    return Wait(&requests, peers, "the coordinator's answer", WaitFor::kNegotiation);
   }
   requests.emplace_back();
   peers.push_back(0);
   Status s = Check(MPI_Irecv(slot_.data(), kSlotBytes, MPI_BYTE, 0, kAnswerTag, control_,
                              &requests.back()),
                    "MPI_Irecv");
-  if (s.ok()) s = Wait(&requests, peers, "the coordinator's answer", true);
+  if (s.ok()) s = Wait(&requests, peers, "the coordinator's answer", WaitFor::kNegotiation);
   if (!s.ok()) return s;
   uint64_t length = 0;
   std::memcpy(&length, slot_.data(), kHeaderBytes);
@@ -437,7 +438,7 @@ Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
   s = Check(MPI_Irecv(&(*bytes)[kSlotPayload], static_cast<int>(length - kSlotPayload), MPI_BYTE,
                       0, kAnswerOverflowTag, control_, &requests.back()),
             "MPI_Irecv");
-  return s.ok() ? Wait(&requests, peers, "the coordinator's answer", true) : s;
+  return s.ok() ? Wait(&requests, peers, "the coordinator's answer", WaitFor::kNegotiation) : s;
 }
 
 MPI_Datatype MpiController::Type(DataType dtype) const {
@@ -472,6 +473,7 @@ MPI_Op MpiController::Op(DataType dtype, ReduceOp op) const {
 
 Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataType dtype,
                                 ReduceOp op) {
+  if (UseRing(count, dtype)) return RingAllreduce(in, out, count, dtype, op);
   const MPI_Datatype type = Type(dtype);
   const MPI_Op mpi_op = Op(dtype, op);
   const size_t item = DataTypeSize(dtype);
@@ -482,7 +484,7 @@ Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataTy
     std::vector<MPI_Request> request(1);
     Status s = Check(MPI_Iallreduce(src, dst, n, type, mpi_op, data_, request.data()),
                      "MPI_Iallreduce");
-    if (s.ok()) s = Wait(&request, {-1}, "MPI_Iallreduce", false);
+    if (s.ok()) s = Wait(&request, {-1}, "MPI_Iallreduce", WaitFor::kCollective);
     if (!s.ok()) return s;
     done += n;
   }
@@ -499,7 +501,7 @@ Status MpiController::Allgatherv(const void* in, void* out, const std::vector<in
   s = Check(MPI_Iallgatherv(in, layout.counts()[rank_], layout.type(), out, layout.counts(),
                             layout.displs(), layout.type(), data_, request.data()),
             "MPI_Iallgatherv");
-  return s.ok() ? Wait(&request, {-1}, "MPI_Iallgatherv", false) : s;
+  return s.ok() ? Wait(&request, {-1}, "MPI_Iallgatherv", WaitFor::kCollective) : s;
 }
 
 Status MpiController::Broadcast(void* data, int64_t bytes, int root) {
@@ -510,7 +512,7 @@ Status MpiController::Broadcast(void* data, int64_t bytes, int root) {
     Status s = Check(MPI_Ibcast(static_cast<char*>(data) + done, n, MPI_BYTE, root, data_,
                                 request.data()),
                      "MPI_Ibcast");
-    if (s.ok()) s = Wait(&request, {-1}, "MPI_Ibcast", false);
+    if (s.ok()) s = Wait(&request, {-1}, "MPI_Ibcast", WaitFor::kCollective);
     if (!s.ok()) return s;
   }
   return Status::OK();
@@ -528,13 +530,13 @@ Status MpiController::Alltoallv(const void* in, const std::vector<int64_t>& send
   s = Check(MPI_Ialltoallv(in, send.counts(), send.displs(), send.type(), out, recv.counts(),
                            recv.displs(), recv.type(), data_, request.data()),
             "MPI_Ialltoallv");
-  return s.ok() ? Wait(&request, {-1}, "MPI_Ialltoallv", false) : s;
+  return s.ok() ? Wait(&request, {-1}, "MPI_Ialltoallv", WaitFor::kCollective) : s;
 }
 
 Status MpiController::Barrier() {
   std::vector<MPI_Request> request(1);
   Status s = Check(MPI_Ibarrier(data_, request.data()), "MPI_Ibarrier");
-  return s.ok() ? Wait(&request, {-1}, "MPI_Ibarrier", false) : s;
+  return s.ok() ? Wait(&request, {-1}, "MPI_Ibarrier", WaitFor::kCollective) : s;
 }
 
 }  // namespace perseus

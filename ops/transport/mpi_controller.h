@@ -60,10 +60,21 @@ class MpiController : public Controller {
  private:
   friend Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
   Status Setup(intptr_t comm_handle);
+  // Tensors from kRingMinBytes run as a ring of point-to-point messages (mpi_ring.cc).
+  static constexpr int64_t kRingMinBytes = int64_t{1} << 20;
+  bool UseRing(int64_t count, DataType dtype) const;
+  Status RingAllreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op);
+  // What a wait is for: it sets how eagerly the wait polls (MPI moves data only inside MPI calls,
+  // so polling is progress) and how a failure is described.
+  enum class WaitFor {
+    kNegotiation,  // a round with the coordinator: polled gently
+    kCollective,   // one nonblocking collective: polled eagerly
+    kRing,         // one chunk of the ring allreduce: polled gently, so that ranks sharing cores
+                   // leave them to the ranks that have data to add
+  };
   // Waits for every request; `peers[i]`: the rank request i waits on (-1: any, a collective).
-  // `control`: a negotiation round (polled gently) rather than a data transfer (polled eagerly).
   Status Wait(std::vector<MPI_Request>* requests, const std::vector<int>& peers,
-              const char* what, bool control);
+              const char* what, WaitFor kind);
   std::string Describe(const std::vector<int>& ranks) const;
   MPI_Datatype Type(DataType dtype) const;
   MPI_Op Op(DataType dtype, ReduceOp op) const;
@@ -91,6 +102,7 @@ class MpiController : public Controller {
 
   std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
   std::vector<char> slot_;
+  std::vector<char> ring_scratch_;  // one received segment of a ring allreduce, before it is added
 };
 
 }  // namespace perseus

@@ -136,6 +136,18 @@ def check_scaling(rank: int, size: int) -> None:
     assert_close(rank, "large.inplace", inplace, expected, rtol=1e-5)
 
 
+def check_large_allreduce_ops(rank: int, size: int) -> None:
+    """Every dtype and op on tensors of 1 MiB and 7 elements: MPI reduces these in its own ring,
+    whose segments (count / ranks) and chunks then fall between elements of different sizes."""
+    for dtype in NUMERIC:
+        count = (1 << 20) // np.dtype(dtype).itemsize + 7
+        for op_name, op in OPS.items():
+            name = f"large.{np.dtype(dtype).name}.{op_name}"
+            data = [rank_data(r, (count,), dtype, seed=40 + op) for r in range(size)]
+            got = _core.allreduce(data[rank], name, op=op)
+            assert_close(rank, name, got, expected_reduce(data, op, dtype), **tolerance(dtype))
+
+
 def check_allgather(rank: int, size: int) -> None:
     for dtype in ["float32", "int64", "bool", ml_dtypes.bfloat16, "uint8", "int16", "uint16"]:
         name = f"ag.{np.dtype(dtype).name}"
@@ -299,6 +311,7 @@ def main() -> None:
     check_allreduce_ops(rank, size)
     check_negative_values(rank, size)
     check_scaling(rank, size)
+    check_large_allreduce_ops(rank, size)
     check_allgather(rank, size)
     check_broadcast(rank, size)
     check_alltoall(rank, size)

@@ -1,0 +1,129 @@
+// The MPI transport's allreduce for large tensors: a ring over point-to-point messages
+// (reduce-scatter, then allgather), each rank sending to the next and receiving from the previous.
+// Every link carries 2(n-1)/n of the tensor, so a ring reaches the link rate across hosts, where
+// Open MPI's nonblocking allreduce picks a binomial tree (the whole tensor each way, half the
+// rate) for 2 or 3 ranks and for in-place buffers. Each segment is reduced on one rank and then
+// copied to all, so every rank ends with the same bits. Waits are the controller's bounded ones.
+#include <algorithm>
+#include <cstring>
+
+#include "runtime/reduce.h"
+#include "transport/mpi_controller.h"
+
+namespace perseus {
+namespace {
+
+constexpr int kRingTag = 21;  // the control plane's tags are 17-20, on another communicator
+// Chunks must be whole elements: a multiple of every DataTypeSize.
+constexpr int64_t kRingChunkBytes = int64_t{256} << 10;
+
+Status CheckRing(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return Status::OK();
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(rc, text, &length);
+  return Status::Error(std::string("MPI error in ") + what + ": " + std::string(text, length));
+}
+
+}  // namespace
+
+bool MpiController::UseRing(int64_t count, DataType dtype) const {
+  const int64_t bytes = count * static_cast<int64_t>(DataTypeSize(dtype));
+  return size_ > 1 && count >= size_ && bytes >= kRingMinBytes;
+}
+
+Status MpiController::RingAllreduce(const void* in, void* out, int64_t count, DataType dtype,
+                                    ReduceOp op) {
+  if (!failed_.ok()) return failed_;
+  const int n = size_, me = rank_;
+  const int64_t item = static_cast<int64_t>(DataTypeSize(dtype));
+  char* data = static_cast<char*>(out);
+  if (in != out) std::memcpy(out, in, static_cast<size_t>(count * item));
+  // Segment s holds elements [first(s), first(s + 1)); sizes differ by at most one element.
+  const auto first = [&](int s) { return count / n * s + std::min<int64_t>(s, count % n); };
+  const auto segment = [&](int s) { return ((s % n) + n) % n; };
+  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  // A process set's controller numbers ranks within the set: its waits name no rank.
+  const std::vector<int> peers =
+      process_set_ ? std::vector<int>{-1, -1} : std::vector<int>{prev, next};
+  ring_scratch_.resize(static_cast<size_t>((count / n + 1) * item));
+
+  // 2(n - 1) steps: step j sends segment sent(j) to the next rank and receives segment
+  // received(j) from the previous one. The first n - 1 (reduce-scatter) receive into scratch and
+  // add it into place; after them this rank holds segment me + 1 complete, and the last n - 1
+  // (allgather) receive complete segments straight into place. Each step sends what the one
+  // before received, so the steps overlap chunk by chunk: chunk k of step j + 1 leaves as soon
+  // as chunk k of step j has arrived (and been added), and the link never waits for a whole
+  // step. One large message would also move at about half the rate of the same bytes in chunks
+  // over Open MPI's TCP transport.
+  const int steps = 2 * (n - 1);
+  const auto reduces = [&](int j) { return j < n - 1; };
+  const auto received = [&](int j) {
+    return reduces(j) ? segment(me - j - 1) : segment(me - j + n - 1);
+  };
+  const auto sent = [&](int j) { return j == 0 ? me : received(j - 1); };
+  const auto chunks = [&](int seg) {
+    return ((first(seg + 1) - first(seg)) * item + kRingChunkBytes - 1) / kRingChunkBytes;
+  };
+  const auto chunk_bytes = [&](int seg, int64_t k) {
+    return static_cast<int>(std::min(kRingChunkBytes, (first(seg + 1) - first(seg)) * item -
+                                                          k * kRingChunkBytes));
+  };
+  const int64_t max_chunks = (count / n + 1) * item / kRingChunkBytes + 1;
+  // The send still reading chunk k of segment s, by s * max_chunks + k: a receive into that
+  // chunk waits for it first.
+  std::vector<MPI_Request> sending(static_cast<size_t>(n * max_chunks), MPI_REQUEST_NULL);
+  std::vector<MPI_Request> receiving(static_cast<size_t>(max_chunks), MPI_REQUEST_NULL);
+  const auto wait_one = [&](MPI_Request* request, int peer) {
+    if (*request == MPI_REQUEST_NULL) return Status::OK();
+    std::vector<MPI_Request> one{*request};
+    *request = MPI_REQUEST_NULL;
+    return Wait(&one, {peer}, "ring allreduce", WaitFor::kRing);
+  };
+  const auto post_receive = [&](int j, int64_t k) {
+    const int seg = received(j);
+    char* into = reduces(j) ? ring_scratch_.data() : data + first(seg) * item;
+    if (!reduces(j)) {
+      Status s = wait_one(&sending[static_cast<size_t>(seg * max_chunks + k)], peers[1]);
+      if (!s.ok()) return s;
+    }
+    return CheckRing(MPI_Irecv(into + k * kRingChunkBytes, chunk_bytes(seg, k), MPI_BYTE, prev,
+                               kRingTag, data_, &receiving[static_cast<size_t>(k)]),
+                     "MPI_Irecv");
+  };
+  const auto post_send = [&](int j, int64_t k) {
+    const int seg = sent(j);
+    Status s = wait_one(&sending[static_cast<size_t>(seg * max_chunks + k)], peers[1]);
+    if (!s.ok()) return s;
+    return CheckRing(MPI_Isend(data + first(seg) * item + k * kRingChunkBytes,
+                               chunk_bytes(seg, k), MPI_BYTE, next, kRingTag, data_,
+                               &sending[static_cast<size_t>(seg * max_chunks + k)]),
+                     "MPI_Isend");
+  };
+
+  Status s;
+  for (int64_t k = 0; s.ok() && k < chunks(received(0)); ++k) s = post_receive(0, k);
+  for (int64_t k = 0; s.ok() && k < chunks(sent(0)); ++k) s = post_send(0, k);
+  for (int j = 0; s.ok() && j < steps; ++j) {
+    const int seg = received(j);
+    const int64_t here = chunks(seg), then = j + 1 < steps ? chunks(received(j + 1)) : 0;
+    for (int64_t k = 0; s.ok() && k < here; ++k) {
+      s = wait_one(&receiving[static_cast<size_t>(k)], peers[0]);
+      if (!s.ok()) break;
+      if (reduces(j)) {
+        ReduceInto(dtype, op, ring_scratch_.data() + k * kRingChunkBytes,
+                   data + first(seg) * item + k * kRingChunkBytes, chunk_bytes(seg, k) / item);
+      }
+      if (k < then) s = post_receive(j + 1, k);
+      if (s.ok() && j + 1 < steps) s = post_send(j + 1, k);
+    }
+    for (int64_t k = here; s.ok() && k < then; ++k) s = post_receive(j + 1, k);
+  }
+  for (MPI_Request& request : sending) {
+    if (s.ok()) s = wait_one(&request, peers[1]);
+  }
+  if (!s.ok() && failed_.ok()) failed_ = s;
+  return s;
+}
+
+}  // namespace perseus
