@@ -41,6 +41,13 @@ KILL_GRACE_SECONDS = 10.0
 STOP_SIGNALS = tuple(s for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None))
                      if s)
 TIMEOUT_EXIT_CODE = 124
+# What a rank prints (mpi_controller.cc) before MPI_Abort when another rank stopped answering.
+ABORT_LINE = "]: aborting the MPI job: "
+# After that line mpirun ends the job, unless it waits for the daemon of a host it can no longer
+# reach (a cut link), which can last for as long as TCP retransmits: then the launcher ends it.
+ABORT_GRACE_SECONDS = 15.0
+# The exit code of a job a rank aborted (MPI_Abort's error code in mpi_controller.cc).
+ABORT_EXIT_CODE = 1
 # `--tcp --emulate-hosts`: local rank i of every emulated host listens on this port + i (the
 # hosts' network namespaces are new: nothing else listens there).
 EMULATED_TCP_PORT = 29500
@@ -273,12 +280,29 @@ def _kill_tree(proc: subprocess.Popen) -> None:
             pass
 
 
+def _forward_mpirun(stream, out, aborted: threading.Event) -> None:
+    for line in iter(stream.readline, b""):
+        text = line.decode(errors="replace")
+        if ABORT_LINE in text:
+            aborted.set()
+        out.write(text)
+        out.flush()
+
+
 def run_job(cmd: list[str], env: dict, timeout: float | None = None,
             grace: float = KILL_GRACE_SECONDS) -> int:
-    """Runs mpirun; forwards SIGINT/SIGTERM/SIGHUP; SIGKILLs the job `grace` s after a stop."""
-    proc = subprocess.Popen(cmd, env=env)
+    """Runs mpirun; forwards SIGINT/SIGTERM/SIGHUP; SIGKILLs the job `grace` s after a stop, and
+    ABORT_GRACE_SECONDS after a rank has aborted it (see ABORT_LINE)."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    aborted = threading.Event()
+    forwarders = [threading.Thread(target=_forward_mpirun, args=(stream, out, aborted),
+                                   daemon=True)
+                  for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))]
+    for t in forwarders:
+        t.start()
     job_deadline = time.monotonic() + timeout if timeout else None
     kill_deadline: list[float | None] = [None]
+    abort_deadline = None
     stopped_by: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
@@ -291,10 +315,13 @@ def run_job(cmd: list[str], env: dict, timeout: float | None = None,
     previous = {s: signal.signal(s, forward) for s in STOP_SIGNALS}
     try:
         while True:
-            deadlines = [d for d in (job_deadline, kill_deadline[0]) if d is not None]
-            wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+            if abort_deadline is None and aborted.is_set():
+                abort_deadline = time.monotonic() + ABORT_GRACE_SECONDS
+            deadlines = [d for d in (job_deadline, kill_deadline[0], abort_deadline)
+                         if d is not None]
+            wait = min(deadlines) - time.monotonic() if deadlines else 0.5
             try:
-                code = proc.wait(timeout=wait)
+                code = proc.wait(timeout=max(0.0, min(wait, 0.5)))
                 break
             except subprocess.TimeoutExpired:
                 pass
@@ -303,7 +330,15 @@ def run_job(cmd: list[str], env: dict, timeout: float | None = None,
                 print(f"perseusrun: the job did not stop within {grace:g} s; killing it",
                       file=sys.stderr, flush=True)
                 _kill_tree(proc)
+                code = proc.wait()
+                break
+            if abort_deadline is not None and now >= abort_deadline:
+                print(f"perseusrun: a rank aborted the job and mpirun has not ended "
+                      f"{ABORT_GRACE_SECONDS:g} s later (it may wait for a host it cannot "
+                      "reach); killing it", file=sys.stderr, flush=True)
+                _kill_tree(proc)
                 proc.wait()
+                code = ABORT_EXIT_CODE
                 break
             if job_deadline is not None and now >= job_deadline:
                 print(f"perseusrun: timeout: the job ran longer than --timeout {timeout:g} s; "
@@ -315,6 +350,8 @@ def run_job(cmd: list[str], env: dict, timeout: float | None = None,
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    for t in forwarders:
+        t.join(timeout=5)
     if -1 in stopped_by:
         return TIMEOUT_EXIT_CODE
     if stopped_by:

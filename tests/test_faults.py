@@ -15,6 +15,8 @@ import sys
 from harness import BIN, ROOT, failure_summary, launch_env
 from test_multihost import namespaces_of, needs_emulation
 
+from perseusrun import launch
+
 PERSEUSRUN = str(BIN / "perseusrun")
 WORKER = str(ROOT / "tests" / "workers" / "fault_rank.py")
 
@@ -65,10 +67,11 @@ def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_
 
 @needs_emulation
 def test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host():
-    """Rank 0 fails within the bound; mpirun then cannot reach the cut host's daemon and may
-    wait for it until perseusrun's --timeout (exit 124): either way the job ends non-zero."""
-    code, out = run_fault(["--emulate-hosts", "2"], "cut", MPI_LIMITS, timeout=90)
-    assert code != 0, out
+    """Rank 0 fails within the bound and aborts the job; mpirun then cannot reach the cut host's
+    daemon and would wait for it, so perseusrun ends the job ABORT_GRACE_SECONDS later with the
+    abort's exit code, well before its --timeout (exit 124)."""
+    code, out = run_fault(["--emulate-hosts", "2"], "cut", MPI_LIMITS, timeout=300)
+    assert code == launch.ABORT_EXIT_CODE, out
     host = re.search(r"rank 1 \(host (\S+)\)", out)
     assert host and host.group(1).endswith("h1"), out
     assert_rank_0_named_rank_1_within(out, MPI_BOUND_SECS, f"host {host.group(1)}")
