@@ -1,21 +1,31 @@
 """Faults on other ranks fail the survivors clearly and within a bound: a rank frozen by SIGSTOP
-and a host whose link is cut, over MPI and over TCP. Each survivor's error names the lost rank
-and its host; the job exits non-zero; nothing waits forever.
+and a host whose link is cut, over MPI and over TCP, and a TCP rank killed. Each survivor's error
+names the lost rank and its host; the job exits non-zero; nothing waits forever. When the fault
+hits Estimator training (rank 0 itself killed while it saves, too), rank 0's model_dir names only
+whole checkpoints, and a rerun resumes from the last one as if training had never stopped.
 
 Workers: tests/workers/fault_rank.py (a 4 KiB allreduce loop; rank 1 fails after 20 steps and
-each survivor prints `FAULT_SEEN after S s`, S counted from its last completed step).
+each survivor prints `FAULT_SEEN after S s`, S counted from its last completed step) and
+tests/workers/fault_checkpoint.py (an Estimator with run_config() and checkpoints every 3 steps,
+its faults, and the rerun).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
+import numpy as np
+import pytest
 from harness import BIN, ROOT, failure_summary, launch_env
-from test_multihost import namespaces_of, needs_emulation
+from test_multihost import _end, namespaces_of, needs_emulation, run_emulated, task_env
 
-from perseusrun import launch
+from perseusrun import emulate, launch
 
 PERSEUSRUN = str(BIN / "perseusrun")
 WORKER = str(ROOT / "tests" / "workers" / "fault_rank.py")
@@ -25,12 +35,14 @@ MPI_LIMITS = {"PERSEUS_STALL_WARNING_SECS": "2", "PERSEUS_STALL_SHUTDOWN_SECS": 
 MPI_BOUND_SECS = 6
 # TCP: a peer silent for kPeerSilenceSecs (tcp_controller.h) is lost.
 TCP_BOUND_SECS = 30
+# TCP: a killed process's connections are closed by its kernel; the peers fail at once.
+TCP_CLOSED_BOUND_SECS = 0
 MARGIN_SECS = 10
 
 
-def run_fault(options: list, mode: str, env: dict | None = None, timeout: int = 150) -> tuple:
-    """Launches the worker under perseusrun OPTIONS; returns (exit code, output)."""
-    cmd = [PERSEUSRUN, *options, "--timeout", str(timeout), sys.executable, WORKER, mode]
+def run_fault(options: list, args: list, env: dict | None = None, timeout: int = 150) -> tuple:
+    """Launches `python ARGS` under perseusrun OPTIONS; returns (exit code, output)."""
+    cmd = [PERSEUSRUN, *options, "--timeout", str(timeout), sys.executable, *map(str, args)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -43,26 +55,37 @@ def run_fault(options: list, mode: str, env: dict | None = None, timeout: int = 
     return proc.returncode, out
 
 
-def assert_rank_0_named_rank_1_within(out: str, bound: float, host: str | None) -> float:
-    seen = re.search(r"\[rank 0\] FAULT_SEEN after ([\d.]+) s: (.*)", out)
-    assert seen, f"rank 0 never reported the fault. Error lines:\n{failure_summary(out)}\n{out}"
+def assert_fault_named(out: str, survivor: int, lost: int, bound: float, where: str | None,
+                       what: str = "stopped responding") -> float:
+    """The survivor's FAULT_SEEN line names the lost rank, `what` befell it and `where` it ran,
+    within `bound` (+ MARGIN_SECS) of the survivor's last completed step; returns the seconds."""
+    seen = re.search(rf"\[rank {survivor}\] FAULT_SEEN after ([\d.]+) s: (.*)", out)
+    assert seen, (f"rank {survivor} never reported the fault. Error lines:\n"
+                  f"{failure_summary(out)}\n{out}")
     secs, error = float(seen.group(1)), seen.group(2)
-    assert "rank 1" in error and "stopped responding" in error, error
-    if host is not None:
-        assert host in error, (host, error)
+    assert f"rank {lost} " in error and what in error, error
+    if where is not None:
+        assert where in error, (where, error)
     assert secs <= bound + MARGIN_SECS, (secs, error)
-    print(f"rank 0 reported the fault after {secs} s (bound {bound} s)")
+    print(f"rank {survivor} reported the fault after {secs} s (bound {bound} s)")
     return secs
 
 
 def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_bound():
-    code, out = run_fault(["-np", "2"], "stop", MPI_LIMITS)
+    code, out = run_fault(["-np", "2"], [WORKER, "stop"], MPI_LIMITS)
     assert code != 0, out
     assert re.search(r"perseus_legacy\[rank 0\]: WARNING: waiting \d+ s for rank 1 \(host \S+\) "
                      r"to answer", out), out
-    secs = assert_rank_0_named_rank_1_within(out, MPI_BOUND_SECS, "(host ")
+    secs = assert_fault_named(out, 0, 1, MPI_BOUND_SECS, "(host ")
     assert secs >= MPI_BOUND_SECS - 1, secs  # not before the limit either
     assert "aborting the MPI job" in out, out  # not MPI_Finalize, which waits for rank 1
+
+
+def cut_host(out: str) -> str:
+    """The host of rank 1 (the second emulated host) named in the survivors' errors."""
+    host = re.search(r"rank 1 \(host (\S+)\)", out)
+    assert host and host.group(1).endswith("h1"), out
+    return host.group(1)
 
 
 @needs_emulation
@@ -70,24 +93,22 @@ def test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host
     """Rank 0 fails within the bound and aborts the job; mpirun then cannot reach the cut host's
     daemon and would wait for it, so perseusrun ends the job ABORT_GRACE_SECONDS later with the
     abort's exit code, well before its --timeout (exit 124)."""
-    code, out = run_fault(["--emulate-hosts", "2"], "cut", MPI_LIMITS, timeout=300)
+    code, out = run_fault(["--emulate-hosts", "2"], [WORKER, "cut"], MPI_LIMITS, timeout=300)
     assert code == launch.ABORT_EXIT_CODE, out
-    host = re.search(r"rank 1 \(host (\S+)\)", out)
-    assert host and host.group(1).endswith("h1"), out
-    assert_rank_0_named_rank_1_within(out, MPI_BOUND_SECS, f"host {host.group(1)}")
+    assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
 
 
 def test_tcp_frozen_rank_fails_the_others_within_the_silence_limit_naming_it():
-    code, out = run_fault(["--tcp", "-np", "2"], "stop")
+    code, out = run_fault(["--tcp", "-np", "2"], [WORKER, "stop"])
     assert code != 0, out
-    assert_rank_0_named_rank_1_within(out, TCP_BOUND_SECS, "127.0.0.1:")
+    assert_fault_named(out, 0, 1, TCP_BOUND_SECS, "127.0.0.1:")
 
 
 @needs_emulation
 def test_tcp_cut_link_fails_the_other_host_within_the_silence_limit_naming_rank_and_host():
-    code, out = run_fault(["--tcp", "--emulate-hosts", "2"], "cut")
+    code, out = run_fault(["--tcp", "--emulate-hosts", "2"], [WORKER, "cut"])
     assert code != 0, out
-    assert_rank_0_named_rank_1_within(out, TCP_BOUND_SECS, ".2:")
+    assert_fault_named(out, 0, 1, TCP_BOUND_SECS, ".2:")
 
 
 def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit():
@@ -102,3 +123,205 @@ def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit():
     assert seen, out
     assert "PERSEUS_CHIEF_WAIT_SECS=3" in seen.group(2), seen.group(2)
     assert 3 <= float(seen.group(1)) <= 3 + MARGIN_SECS, seen.group(1)
+
+
+# ---- checkpoints through a fault, and the rerun ------------------------------------------------
+
+CHECKPOINT_WORKER = "tests/workers/fault_checkpoint.py"
+CHECKPOINT_TIMEOUT = 240
+# float32 training (sums in another order on every rank) against float64 numpy, 12 steps of
+# values up to ~7: the measured gap is <= 3e-7. Resuming with lost Momentum slots, with the
+# batches of steps 0.. instead of 6.., or from fresh variables moves the final weights by >= 0.5.
+RTOL, ATOL = 1e-5, 1e-6
+TF_CONFIG_PORT = 2222
+
+
+@pytest.fixture(scope="module")
+def checkpoint_worker():
+    """The worker module (its steps, data and initial values) and tensorflow, for the checks."""
+    import perseus_legacy  # noqa: F401, I001 (first: it selects legacy Keras)
+    import tensorflow as tf
+    from workers import fault_checkpoint
+
+    return fault_checkpoint, tf
+
+
+def trajectory(worker) -> list:
+    """The variables after each step 0..TOTAL_STEPS of one uninterrupted process trained on the
+    global batch from the first run's rank 0 values: Momentum on the mean squared error, in
+    float64 numpy."""
+    x, y = (a.astype(np.float64) for a in worker.global_batches())
+    init = worker.initial_values(0, "cut")  # the same in every faulted phase
+    w, b = init["w"].astype(np.float64), init["b"].astype(np.float64)
+    w_slot, b_slot = np.zeros_like(w), np.zeros_like(b)
+    states = []
+    for step in range(worker.TOTAL_STEPS + 1):
+        states.append({"w": w, "b": b, "w/Momentum": w_slot, "b/Momentum": b_slot,
+                       "global_step": np.int64(step)})
+        if step == worker.TOTAL_STEPS:
+            break
+        error = x[step] @ w + b - y[step]
+        w_grad = 2 * x[step].T @ error / len(error)
+        b_grad = 2 * error.sum(axis=0) / len(error)
+        w_slot, b_slot = worker.MOMENTUM * w_slot + w_grad, worker.MOMENTUM * b_slot + b_grad
+        w, b = w - worker.LEARNING_RATE * w_slot, b - worker.LEARNING_RATE * b_slot
+    return states
+
+
+def assert_whole_checkpoints(tf, model_dir: Path, steps: list, expected: list) -> None:
+    """model_dir's `checkpoint` file names the checkpoints of `steps`, the last one as the latest;
+    each is made of final files only and reads back whole: every variable there, finite, and
+    equal to the uninterrupted run's at its step."""
+    state = tf.train.get_checkpoint_state(str(model_dir))
+    assert state is not None, f"no `checkpoint` file in {model_dir}: {os.listdir(model_dir)}"
+    paths = list(state.all_model_checkpoint_paths)
+    assert state.model_checkpoint_path == paths[-1], state
+    named = []
+    for path in paths:
+        found = re.fullmatch(re.escape(str(model_dir)) + r"/model\.ckpt-(\d+)", path)
+        assert found, f"the `checkpoint` file names {path!r}: not a final checkpoint of the dir"
+        named.append(int(found.group(1)))
+        prefix = f"model.ckpt-{named[-1]}."
+        kinds = {f[len(prefix):] for f in os.listdir(model_dir) if f.startswith(prefix)}
+        assert kinds - {"meta"} == {"index", "data-00000-of-00001"}, (path, sorted(kinds))
+        reader = tf.train.load_checkpoint(path)
+        assert sorted(reader.get_variable_to_shape_map()) == sorted(expected[0]), path
+        for name, want in expected[named[-1]].items():
+            value = reader.get_tensor(name)
+            assert np.isfinite(value).all(), (path, name, value)
+            np.testing.assert_allclose(value, want, rtol=RTOL, atol=ATOL, err_msg=f"{path}: {name}")
+    assert named == steps, (named, steps)
+
+
+def assert_resumed(out_dir: Path, start: int, expected: list, ranks: int = 2) -> None:
+    """Every rank of the rerun started at global step `start`, ended at the last step, with the
+    uninterrupted run's final variables (and rank 0's, exactly)."""
+    final = expected[-1]
+    values = []
+    for rank in range(ranks):
+        with np.load(out_dir / f"rank{rank}.npz") as saved:
+            values.append(dict(saved))
+    for rank in range(ranks):
+        record = json.loads((out_dir / f"rank{rank}.json").read_text())
+        assert record == {"start_step": start, "end_step": int(final["global_step"])}, (
+            rank, record)
+        assert sorted(values[rank]) == sorted(final), (rank, sorted(values[rank]))
+        for name, want in final.items():
+            np.testing.assert_allclose(values[rank][name], want, rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank}: {name}")
+            np.testing.assert_array_equal(values[rank][name], values[0][name],
+                                          err_msg=f"rank {rank} differs from rank 0: {name}")
+
+
+def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
+    """The worker as a TF_CONFIG chief (rank 0) and worker (rank 1), each on an emulated host of
+    its own; waits for both to exit (neither ends the other). Returns (exit codes, output)."""
+    procs, logs = [], []
+    try:
+        with emulate.emulated_hosts(2) as hosts:
+            cluster = {"chief": [f"{hosts[0].address}:{TF_CONFIG_PORT}"],
+                       "worker": [f"{hosts[1].address}:{TF_CONFIG_PORT}"]}
+            for (task_type, index), host in zip((("chief", 0), ("worker", 0)), hosts):
+                config = {"cluster": cluster, "task": {"type": task_type, "index": index}}
+                env = task_env({"TF_CONFIG": json.dumps(config), "TMPDIR": str(tmp_path),
+                                "PERSEUS_SECRET": "fault-checkpoint-secret"})
+                logs.append(tmp_path / f"{phase}.{task_type}.log")
+                with open(logs[-1], "w") as log:
+                    procs.append(host.popen(
+                        [sys.executable, str(ROOT / CHECKPOINT_WORKER), str(tmp_path / "model"),
+                         str(tmp_path), phase], env=env, cwd=ROOT, stdout=log,
+                        stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + CHECKPOINT_TIMEOUT
+            for proc in procs:
+                try:
+                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    break
+    finally:
+        _end(procs, [])
+    out = "\n".join(f"--- {log.name}, exit {proc.returncode}:\n{log.read_text()}"
+                    for log, proc in zip(logs, procs))
+    assert time.monotonic() < deadline, f"the {phase} job outlived {CHECKPOINT_TIMEOUT} s:\n{out}"
+    assert not namespaces_of(os.getpid()), out
+    return [proc.returncode for proc in procs], out
+
+
+@needs_emulation
+def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
+        tmp_path, checkpoint_worker):
+    """2 hosts x 1 rank over MPI: rank 1 cuts its host's link after step 7. Rank 0 fails
+    within the stall limit naming rank 1 and its host; `checkpoint` names steps 0, 3, 6, all
+    whole; a healthy rerun starts every rank at step 6 and ends where one uninterrupted process
+    on the global batch does."""
+    worker, tf = checkpoint_worker
+    model_dir = tmp_path / "model"
+    env = {**MPI_LIMITS, "TMPDIR": str(tmp_path)}  # the other rank's private model_dir too
+    code, out = run_fault(["--emulate-hosts", "2"],
+                          [ROOT / CHECKPOINT_WORKER, model_dir, tmp_path, "cut"], env,
+                          timeout=CHECKPOINT_TIMEOUT)
+    assert code == launch.ABORT_EXIT_CODE, out
+    assert "UNEXPECTED" not in out, out
+    assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
+    expected = trajectory(worker)
+    saved = list(range(0, worker.FAULT_STEP + 1, worker.EVERY))
+    assert_whole_checkpoints(tf, model_dir, saved, expected)
+
+    run_emulated(["--emulate-hosts", "2"], CHECKPOINT_WORKER, model_dir, tmp_path, "resume",
+                 env=env, timeout=CHECKPOINT_TIMEOUT)
+    assert_resumed(tmp_path, saved[-1], expected)
+    assert_whole_checkpoints(tf, model_dir, list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)),
+                             expected)
+
+
+@needs_emulation
+def test_tcp_killed_worker_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
+        tmp_path, checkpoint_worker):
+    """A TF_CONFIG chief and worker on 2 hosts (the TCP group): the worker is killed (SIGKILL)
+    after step 7. The chief fails at once naming rank 1 and its address; `checkpoint` names
+    steps 0, 3, 6, all whole; a healthy rerun resumes at step 6 and ends where one uninterrupted
+    process on the global batch does."""
+    worker, tf = checkpoint_worker
+    codes, out = run_tf_config_job(tmp_path, "kill")
+    assert codes == [1, -9], out
+    assert_fault_named(out, 0, 1, TCP_CLOSED_BOUND_SECS, f".2:{TF_CONFIG_PORT}",
+                       what="the process exited or was killed")
+    expected = trajectory(worker)
+    saved = list(range(0, worker.FAULT_STEP + 1, worker.EVERY))
+    assert_whole_checkpoints(tf, tmp_path / "model", saved, expected)
+
+    codes, out = run_tf_config_job(tmp_path, "resume")
+    assert codes == [0, 0], out
+    assert_resumed(tmp_path, saved[-1], expected)
+    assert_whole_checkpoints(tf, tmp_path / "model",
+                             list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)), expected)
+
+
+@needs_emulation
+def test_chief_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest_and_a_rerun_resumes(
+        tmp_path, checkpoint_worker):
+    """A TF_CONFIG chief and worker on 2 hosts: the chief (rank 0, the only writer) kills itself
+    in the save of step 6, its shard files written but not merged. The worker fails at once
+    naming rank 0; the half-written step 6 is left in its temporary directory and named
+    nowhere, `checkpoint` names steps 0 and 3, both whole; a rerun resumes at step 3 (writing
+    step 6 anew) and ends where one uninterrupted process on the global batch does."""
+    worker, tf = checkpoint_worker
+    model_dir = tmp_path / "model"
+    codes, out = run_tf_config_job(tmp_path, "kill_saving")
+    assert codes == [-9, 1], out
+    assert "[rank 0] KILLED while saving" in out, out
+    assert_fault_named(out, 1, 0, TCP_CLOSED_BOUND_SECS, f".1:{TF_CONFIG_PORT}",
+                       what="the process exited or was killed")
+    half_written = f"model.ckpt-{worker.SAVE_FAULT_STEP}"
+    left = sorted(os.listdir(model_dir))
+    assert f"{half_written}_temp" in left, left  # the kill came in the middle of the save
+    assert not [f for f in left if f.startswith(f"{half_written}.")], left
+    expected = trajectory(worker)
+    saved = list(range(0, worker.SAVE_FAULT_STEP, worker.EVERY))
+    assert_whole_checkpoints(tf, model_dir, saved, expected)
+
+    codes, out = run_tf_config_job(tmp_path, "resume")
+    assert codes == [0, 0], out
+    assert_resumed(tmp_path, saved[-1], expected)
+    assert_whole_checkpoints(tf, model_dir, list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)),
+                             expected)
+    assert f"{half_written}_temp" not in os.listdir(model_dir)  # the new save replaced it
