@@ -10,9 +10,10 @@ from perseus_legacy import tf_compat  # noqa: I001
 tf_compat.apply()
 
 # ruff: noqa: E402
-from perseus_legacy import data, estimator  # noqa: F401
+from perseus_legacy import data, elastic, estimator  # noqa: F401
 from perseus_legacy._version import __version__  # noqa: F401
 from perseus_legacy.basics import (  # noqa: F401
+    Adasum,
     Average,
     Max,
     Min,
@@ -27,6 +28,7 @@ from perseus_legacy.basics import (  # noqa: F401
     gloo_built,
     gloo_enabled,
     init,
+    is_homogeneous,
     is_initialized,
     join,
     local_rank,

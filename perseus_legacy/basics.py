@@ -6,10 +6,15 @@ import atexit
 import importlib
 from typing import Any
 
+import numpy as np
+
 from perseus_legacy import tf_config
 
 Average, Sum, Min, Max, Product = 0, 1, 2, 3, 4
-REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product"}
+# Adasum is no op of the native runtime: perseus_legacy.adasum combines allgathered tensors.
+Adasum = 5
+REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product",
+                   Adasum: "Adasum"}
 
 
 class NotInitializedError(ValueError):
@@ -89,6 +94,7 @@ def shutdown() -> None:
     except ImportError:
         return
     mod.shutdown()
+    _homogeneous.clear()  # the next init() may form another group
 
 
 atexit.register(shutdown)
@@ -158,6 +164,24 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """Number of hosts (ranks sharing this local_rank)."""
     return _query("cross_size")
+
+
+# Whether the current group is homogeneous, once asked (cleared by shutdown()).
+_homogeneous: dict = {}
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks (Horovod's definition).
+
+    The first call after init() is a collective: every rank must make it (later calls return
+    the answer remembered then).
+    """
+    require_initialized("is_homogeneous()")
+    if "answer" not in _homogeneous:
+        local_sizes = core().allgather(np.array([local_size()], np.int32),
+                                       "perseus.is_homogeneous")
+        _homogeneous["answer"] = bool(np.all(local_sizes == local_sizes[0]))
+    return _homogeneous["answer"]
 
 
 def join() -> int:

@@ -76,7 +76,8 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
     by f before the sum and multiplies by f/size() after). Sparse gradients are allgathered and
     stay sparse unless `sparse_as_dense`. `groups` (or the deprecated `num_groups`) splits the
     reduction as in Horovod. `device_dense`/`device_sparse` are ignored: kernels run on the CPU.
-    With `process_set`, gradients are reduced over its ranks only.
+    With `process_set`, gradients are reduced over its ranks only. `op=Adasum` combines the
+    gradients by Adasum (perseus_legacy.adasum).
     """
     if isinstance(gradtape, _DistributedTape):
         raise ValueError("this GradientTape is already distributed: wrap the plain tape once")

@@ -13,7 +13,8 @@ from perseus_legacy.graph_rewrite import distribute_graph
 
 
 def _broadcast_name(var: Any) -> str:
-    return "broadcast_" + var.op.name.replace("/", "_")
+    # var.name, not var.op.name: inside a tf.function a variable created eagerly has no op.
+    return "broadcast_" + var.name.split(":")[0].replace("/", "_")
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool = False,

@@ -17,6 +17,9 @@ are matched by it, in whatever order each rank submits them. How it is chosen:
   blocks until every rank has submitted it, so ranks that issue the same sequence of
   collectives get the same names by construction. Pass explicit names when ranks issue eager
   collectives from several threads or in different orders.
+- A process set other than the global one has names of its own: graph names and explicit
+  `name=`s get the prefix `set<id>.` (default eager names hold the id already), so ranks of
+  different sets may build the same collectives, each for its own set, at the same time.
 
 Every collective takes `process_set=` (default: every rank, `global_process_set`); see
 perseus_legacy.process_sets.
@@ -37,7 +40,7 @@ import numpy as np
 import tensorflow as tf
 
 from perseus_legacy import basics
-from perseus_legacy.basics import REDUCE_OP_NAMES, Average, Sum
+from perseus_legacy.basics import REDUCE_OP_NAMES, Adasum, Average, Sum
 from perseus_legacy.compression import Compression
 from perseus_legacy.process_sets import ProcessSet, process_set_id, registered, set_size_and_rank
 
@@ -119,23 +122,25 @@ def _function_prefix(graph: tf.Graph) -> str:
 
 def _names(default: str, name: str | None, set_id: int = 0) -> tuple:
     """(tensor_name attribute, op name) for a new collective; see the module docstring."""
+    # Each process set has names of its own (as in Horovod): ranks of two sets may build the
+    # same code for their own set, e.g. `allreduce(x, process_set=mine)`, without a clash.
+    in_set = f"set{set_id}." if set_id else ""
     if tf.executing_eagerly():
         if name:
-            return name, None
+            return in_set + name, None
         count = next(_eager_counters[set_id]) % _EAGER_NAME_CYCLE
-        where = f"set{set_id}." if set_id else ""
-        return f"eager.{where}{default}.{count}", None
+        return f"eager.{in_set}{default}.{count}", None
     op_name = _valid_op_name(name) if name else default
     graph = tf.compat.v1.get_default_graph()
     unique = graph.unique_name(op_name, mark_as_used=False)  # the name the op will get
     prefix = _function_prefix(graph)
-    return (f"{prefix}/{unique}" if prefix else unique), op_name
+    return in_set + (f"{prefix}/{unique}" if prefix else unique), op_name
 
 
 def _check_op(op: int) -> int:
     if op not in REDUCE_OP_NAMES:
         raise ValueError(f"unknown reduction op {op!r}; use perseus_legacy.Average, Sum, Min, "
-                         "Max or Product")
+                         "Max, Product or Adasum")
     return int(op)
 
 
@@ -217,11 +222,17 @@ def allreduce(tensor: TensorLike, average: bool | None = None, device_dense: str
     integer tensors divides with truncation. A `tf.IndexedSlices` is allgathered (values and
     indices concatenated in rank order; for Average the values are divided by size(), integer
     values becoming floating point as in Horovod) and stays sparse; `compression` applies to
-    dense tensors only. `average=` is Horovod's deprecated spelling of `op`; `device_dense` and
-    `device_sparse` are ignored (every kernel runs on the CPU).
+    dense tensors only. `op=Adasum` combines float tensors by adaptive summation
+    (perseus_legacy.adasum). `average=` is Horovod's deprecated spelling of `op`;
+    `device_dense` and `device_sparse` are ignored (every kernel runs on the CPU).
     """
     basics.require_initialized("perseus_legacy.allreduce()")
     op = resolve_op(op, average, "allreduce")
+    if op == Adasum:
+        from perseus_legacy import adasum  # built on allgather: imports this module
+
+        return adasum.allreduce(tensor, compression, prescale_factor, postscale_factor, name,
+                                process_set)
     set_id = process_set_id(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_one(tensor, op, name, prescale_factor, postscale_factor, "allreduce",
@@ -286,6 +297,11 @@ def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None
     """
     basics.require_initialized("perseus_legacy.grouped_allreduce()")
     op = resolve_op(op, average, "grouped_allreduce")
+    if op == Adasum:
+        from perseus_legacy import adasum
+
+        return adasum.grouped_allreduce(tensors, compression, prescale_factor, postscale_factor,
+                                        name, process_set)
     set_id = process_set_id(process_set, "grouped_allreduce")
     tensors = list(tensors)
     contexts: dict = {}

@@ -3,20 +3,22 @@
 DistributedOptimizer is Horovod's; SyncReplicasOptimizer is a drop-in for
 `tf.compat.v1.train.SyncReplicasOptimizer` that runs on allreduce instead of parameter servers.
 Both may accumulate gradients locally over several backward passes before one reduction and one
-update (`_accumulate_then_apply`).
+update (`_accumulate_then_apply`). With op=Adasum, DistributedOptimizer instead applies each
+rank's own gradients and combines the variables' changes (`_AdasumDelta`).
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average
+from perseus_legacy import adasum, basics, ops
+from perseus_legacy.basics import Adasum, Average
 from perseus_legacy.compression import Compression
 from perseus_legacy.hooks import SyncReplicasHook
-from perseus_legacy.reduction import check_predivide, resolve_groups
+from perseus_legacy.reduction import check_predivide, resolve_groups, scaled
 
 
 def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_dense: bool,
@@ -118,6 +120,93 @@ def _accumulate_then_apply(grads_and_vars: list, passes: int, scale: float,
     return tf.cond(count >= passes, apply_now, tf.no_op, name=f"{name}_apply_every_{passes}")
 
 
+class _AdasumDelta:
+    """Horovod's Adasum optimizer, as its documentation describes it: each rank applies its own
+    gradients with the wrapped optimizer, then every `passes`-th step each variable's change
+    since the last combination is replaced by the Adasum of every rank's change.
+
+    The start of each period is a copy of the variable (a local variable when passes > 1: not
+    checkpointed, never broadcast). The wrapped optimizer's slots stay per rank, as in Horovod.
+    """
+
+    def __init__(self, name: str, passes: int, compression: Any, process_set: Any) -> None:
+        self.name = name
+        self.passes = passes
+        self.compression = compression
+        self.process_set = process_set
+
+    def apply(self, variables: list, apply_locally: Callable[[], Any]) -> Any:
+        """Runs `apply_locally` (the wrapped optimizer's update), then combines `variables`."""
+        if tf.executing_eagerly():
+            if self.passes > 1:
+                raise NotImplementedError(
+                    f"{self.name}: op=Adasum with backward_passes_per_step > 1 needs a graph "
+                    "(tf.compat.v1 Session, MonitoredTrainingSession, Estimator)")
+            starts = [tf.raw_ops.DeepCopy(x=v.read_value()) for v in variables]
+            result = apply_locally()
+            self._combine(variables, starts)
+            return result
+        if self.passes == 1:
+            starts = [tf.raw_ops.DeepCopy(x=v.read_value()) for v in variables]
+            with tf.control_dependencies(starts):
+                applied = apply_locally()
+            with tf.control_dependencies([applied]):
+                return self._combine(variables, starts)
+        local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
+        with tf.compat.v1.name_scope(None), tf.compat.v1.name_scope(f"{self.name}_adasum"):
+            counter = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, name="passes",
+                                            collections=local, use_resource=True)
+            starts = [tf.compat.v1.Variable(tf.zeros(v.shape, v.dtype.base_dtype),
+                                            trainable=False, collections=local,
+                                            use_resource=True,
+                                            name=v.op.name.replace("/", "_") + "_start")
+                      for v in variables]
+
+        def remember_starts() -> Any:
+            return tf.group(*[s.assign(v.read_value()) for s, v in zip(starts, variables)])
+
+        remembered = tf.cond(tf.equal(counter, 0), remember_starts, tf.no_op)
+        with tf.control_dependencies([remembered]):
+            applied = apply_locally()
+        with tf.control_dependencies([applied]):
+            count = counter.assign_add(1)
+
+        def combine() -> Any:
+            combined = self._combine(variables, [s.read_value() for s in starts])
+            with tf.control_dependencies([combined]):
+                return counter.assign(0).op
+
+        return tf.cond(count >= self.passes, combine, tf.no_op,
+                       name=f"{self.name}_adasum_every_{self.passes}")
+
+    def _combine(self, variables: list, starts: list) -> Any:
+        if not variables:
+            return tf.no_op()
+        deltas = [v.read_value() - s for v, s in zip(variables, starts)]
+        combined = adasum.grouped_allreduce(deltas, self.compression, name=f"{self.name}_Adasum",
+                                            process_set=self.process_set,
+                                            what=f"{self.name} (op=Adasum)")
+        return tf.group(*[v.assign(s + c) for v, s, c in zip(variables, starts, combined)])
+
+
+def _is_keras_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer`'s class comes from a Keras package (tf-keras, Keras 2 or 3), without
+    importing Keras."""
+    return any(cls.__module__.split(".")[0] in ("keras", "tf_keras")
+               for cls in type(optimizer).__mro__)
+
+
+def _keras_distributed_optimizer(*args: Any, **kwargs: Any) -> Any:
+    """perseus_legacy.keras.DistributedOptimizer with DistributedOptimizer's arguments."""
+    bound = inspect.signature(DistributedOptimizer.__init__).bind(None, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    del arguments["self"]
+    arguments.pop("use_locking", None)  # Keras optimizers have no such argument
+    from perseus_legacy import keras as perseus_keras  # Keras is imported only when asked for
+
+    return perseus_keras.DistributedOptimizer(**arguments)
+
+
 class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """A `tf.compat.v1.train.Optimizer` whose gradients are averaged (by default) over all ranks.
 
@@ -133,7 +222,20 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     is one collective; the runtime fuses them); `device_dense`/`device_sparse` are ignored
     (kernels run on the CPU). Every rank must build the same trainable variables (their names
     name the collectives). With `process_set`, gradients are reduced over its ranks only.
+
+    Gradients of variables given to `register_local_var` are not reduced; with
+    `scale_local_gradients` (the default) they are divided by size(), as in Horovod.
+    `op=Adasum` applies each rank's own gradients with the wrapped optimizer and combines the
+    variables' changes by Adasum, every `backward_passes_per_step`-th step (see _AdasumDelta).
+    Given a Keras optimizer, it returns `perseus_legacy.keras.DistributedOptimizer(optimizer,
+    ...)`, as Horovod does.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        given = args[0] if args else kwargs.get("optimizer")
+        if cls is DistributedOptimizer and _is_keras_optimizer(given):
+            return _keras_distributed_optimizer(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, optimizer: tf.compat.v1.train.Optimizer, name: str | None = None,
                  use_locking: bool = False, device_dense: str = "", device_sparse: str = "",
@@ -141,14 +243,19 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
                  backward_passes_per_step: int = 1, op: int = Average,
                  gradient_predivide_factor: float = 1.0,
                  average_aggregated_gradients: bool = False, num_groups: int = 0,
-                 groups: Any = None, process_set: Any = None) -> None:
+                 groups: Any = None, process_set: Any = None,
+                 scale_local_gradients: bool = True) -> None:
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
+            keras = " or a Keras 2 optimizer" if type(self) is DistributedOptimizer else ""
             raise TypeError(
-                "DistributedOptimizer wraps a tf.compat.v1.train.Optimizer, got "
-                f"{type(optimizer).__name__}; Keras optimizers need perseus_legacy.keras")
+                f"{type(self).__name__} wraps a tf.compat.v1.train.Optimizer{keras}, got "
+                f"{type(optimizer).__module__}.{type(optimizer).__name__}")
         if int(backward_passes_per_step) < 1:
             raise ValueError(
                 f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if op == Adasum and average_aggregated_gradients:
+            raise ValueError("op=Adasum does not take average_aggregated_gradients=True (as in "
+                             "Horovod): it combines the variables' changes, not gradients")
         self._predivide = check_predivide(gradient_predivide_factor, op)
         resolve_groups(num_groups, groups)  # validated; every gradient is its own collective
         if name is None:
@@ -161,22 +268,46 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         self._passes = int(backward_passes_per_step)
         self._average_passes = average_aggregated_gradients
         self._process_set = process_set
+        self._scale_local_gradients = scale_local_gradients
+        self._local: set = set()
+        self._adasum = None
+        if op == Adasum:
+            self._adasum = _AdasumDelta(self._name, self._passes, compression, process_set)
+
+    def register_local_var(self, var: Any) -> None:
+        """Keeps `var`'s gradient on this rank: not reduced (divided by size() with
+        scale_local_gradients). Call it before compute_gradients()."""
+        self._local.add(var.ref())
+
+    def _size(self) -> int:
+        return basics.size() if self._process_set is None else self._process_set.size()
+
+    def _scale_local(self, grads_and_vars: list) -> list:
+        if not (self._scale_local_gradients and self._local) or self._size() == 1:
+            return grads_and_vars
+        return [(scaled(g, 1.0 / self._size()) if g is not None and v.ref() in self._local
+                 else g, v) for g, v in grads_and_vars]
 
     def _reduce(self, grads_and_vars: list) -> list:
         basics.require_initialized(f"{self._name}.compute_gradients()")
-        size = basics.size() if self._process_set is None else self._process_set.size()
-        if size == 1 and self._reduce_op == Average and self._predivide == 1.0:
+        if self._size() == 1 and self._reduce_op == Average and self._predivide == 1.0:
             return grads_and_vars
         with tf.name_scope(self._name + "_Allreduce"):
-            return [(_reduce_gradient(grad, var, self._reduce_op, self._compression,
-                                      self._sparse_as_dense, self._name, self._predivide,
-                                      self._process_set), var)
-                    for grad, var in grads_and_vars]
+            reduced = [(grad if var.ref() in self._local else
+                        _reduce_gradient(grad, var, self._reduce_op, self._compression,
+                                         self._sparse_as_dense, self._name, self._predivide,
+                                         self._process_set), var)
+                       for grad, var in grads_and_vars]
+        return self._scale_local(reduced)
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
         """The wrapped optimizer's (gradient, variable) pairs, gradients reduced over all ranks
-        (with backward_passes_per_step > 1: this rank's, reduced later by apply_gradients)."""
+        (with backward_passes_per_step > 1: this rank's, reduced later by apply_gradients;
+        with op=Adasum: this rank's, applied as they are)."""
         grads_and_vars = self._optimizer.compute_gradients(*args, **kwargs)
+        if self._adasum is not None:
+            basics.require_initialized(f"{self._name}.compute_gradients()")
+            return self._scale_local(grads_and_vars)
         if self._passes > 1:
             basics.require_initialized(f"{self._name}.compute_gradients()")
             return grads_and_vars
@@ -185,7 +316,14 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                         name: str | None = None) -> Any:
         """Applies the reduced gradients with the wrapped optimizer (every k-th call with
-        backward_passes_per_step=k, the global step advancing only then)."""
+        backward_passes_per_step=k, the global step advancing only then). With op=Adasum the
+        wrapped optimizer applies this rank's gradients on every call (the global step
+        advancing each time) and the variables' changes are combined every k-th call."""
+        if self._adasum is not None:
+            grads_and_vars = list(grads_and_vars)
+            shared = [v for g, v in grads_and_vars if g is not None and v.ref() not in self._local]
+            return self._adasum.apply(shared, lambda: self._optimizer.apply_gradients(
+                grads_and_vars, global_step, name))
         if self._passes == 1:
             return self._optimizer.apply_gradients(grads_and_vars, global_step, name)
         scale = 1.0 / self._passes if self._average_passes else 1.0

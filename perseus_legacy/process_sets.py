@@ -15,7 +15,8 @@ collective, so every rank registers the same id for the same ranks at the same p
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import numbers
+from typing import Any, Iterable, Sequence
 
 from perseus_legacy import basics
 
@@ -27,14 +28,19 @@ class ProcessSet:
     remove_process_set()).
     """
 
-    def __init__(self, ranks: Sequence[int]) -> None:
-        if not isinstance(ranks, (list, tuple, range)):
-            raise TypeError("ProcessSet takes a list of ranks (an MPI communicator is not "
-                            f"supported), got {type(ranks).__name__}")
-        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
-            raise TypeError(f"ProcessSet ranks must be ints, got {list(ranks)!r}")
-        self.ranks: list | None = sorted(int(r) for r in ranks)
+    def __init__(self, ranks: Iterable[int]) -> None:
         self.process_set_id: int | None = None
+        self.ranks: list | None = None
+        # Any iterable of ints, as in Horovod (range, reversed(range), numpy arrays); an MPI
+        # communicator (which has Get_rank) is Horovod's other form, not supported here.
+        if isinstance(ranks, (str, bytes, dict)) or hasattr(ranks, "Get_rank") or not hasattr(
+                ranks, "__iter__"):
+            raise TypeError("ProcessSet takes an iterable of ranks (an MPI communicator is not "
+                            f"supported), got {type(ranks).__name__}")
+        ranks = list(ranks)
+        if any(isinstance(r, bool) or not isinstance(r, numbers.Integral) for r in ranks):
+            raise TypeError(f"ProcessSet ranks must be ints, got {ranks!r}")
+        self.ranks = sorted(int(r) for r in ranks)
 
     def _registered_id(self, what: str) -> int:
         if self.process_set_id is None:

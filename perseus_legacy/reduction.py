@@ -46,6 +46,8 @@ class GradientReducer:
     (the gradients split in that many contiguous groups) or lists of variables (one reduction
     each; variables in no list alone). Gradients of variables given to `register_local` are not
     reduced; with `scale_local_gradients` they are divided by size(), as in Horovod.
+    `op=Adasum` combines the dense gradients by Adasum (perseus_legacy.adasum); sparse ones
+    need `sparse_as_dense`.
     """
 
     def __init__(self, name: str, compression: Any = Compression.none,
@@ -88,7 +90,7 @@ class GradientReducer:
         if self.scale_local_gradients and size > 1:
             for i, (g, v) in enumerate(zip(grads, variables)):
                 if g is not None and v.ref() in self.local:
-                    grads[i] = _scaled(g, 1.0 / size)
+                    grads[i] = scaled(g, 1.0 / size)
         return list(zip(grads, variables))
 
     def _split(self, indices: list, variables: list) -> list:
@@ -134,7 +136,8 @@ class GradientReducer:
         return results
 
 
-def _scaled(grad: Any, factor: float) -> Any:
+def scaled(grad: Any, factor: float) -> Any:
+    """`grad` (a tensor or tf.IndexedSlices) times `factor`."""
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
                                 grad.dense_shape)

@@ -12,6 +12,7 @@ it selects TF_USE_LEGACY_KERAS=1).
 """
 
 from perseus_legacy import (  # noqa: F401
+    Adasum,
     Average,
     Compression,
     Max,
@@ -40,9 +41,11 @@ from perseus_legacy import (  # noqa: F401
     scale_learning_rate,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from perseus_legacy.hooks import broadcast_global_variables  # noqa: F401
-from perseus_legacy.keras import callbacks  # noqa: F401
+from perseus_legacy.keras import callbacks, elastic  # noqa: F401
 from perseus_legacy.keras._optimizer import (  # noqa: F401
     DistributedOptimizer,
     PartialDistributedOptimizer,

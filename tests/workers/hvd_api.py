@@ -3,7 +3,9 @@
 reducescatter (uneven rows, scale factors, gradients), grouped_allgather, broadcast_, the object
 collectives, the *_op queries, the *_built flags, IndexedSlices rules, deprecated arguments,
 TF1 DistributedOptimizer predivision, DistributedGradientTape and its partial variant in a
-tf.function train step, and SyncBatchNormalization. Any mismatch exits non-zero naming the rank.
+tf.function train step, SyncBatchNormalization, TF1 register_local_var, the Keras optimizer given
+to perseus_legacy.DistributedOptimizer, and is_homogeneous. Any mismatch exits non-zero naming the
+rank.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -177,6 +179,69 @@ def check_tf1_predivide(rank: int, size: int) -> None:
                       gradient_predivide_factor=2.0))
 
 
+def check_tf1_local_variables(rank: int, size: int) -> None:
+    """register_local_var: the variable's gradient stays on its rank, divided by size() unless
+    scale_local_gradients=False; also when gradients accumulate over 2 passes."""
+    x = [rank_data(r, (3,), np.float32, seed=18) for r in range(size)]
+    z = [rank_data(r, (2,), np.float32, seed=19) for r in range(size)]
+    for passes, scale_local in ((1, True), (1, False), (2, True)):
+        what = f"TF1 register_local_var passes={passes} scale_local_gradients={scale_local}"
+        graph = tf.Graph()
+        with graph.as_default():
+            shared = tf.compat.v1.Variable(tf.zeros([3]), use_resource=True)
+            local = tf.compat.v1.Variable(tf.zeros([2]), use_resource=True)
+            loss = tf.reduce_sum(shared * x[rank]) + tf.reduce_sum(local * z[rank])
+            opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                           backward_passes_per_step=passes,
+                                           scale_local_gradients=scale_local)
+            opt.register_local_var(local)
+            train = opt.minimize(loss)
+            init = [tf.compat.v1.global_variables_initializer(),
+                    tf.compat.v1.local_variables_initializer()]
+        with tf.compat.v1.Session(graph=graph) as sess:
+            sess.run(init)
+            for _ in range(passes):
+                sess.run(train)
+            got_shared, got_local = sess.run([shared, local])
+        divisor = size if scale_local else 1
+        # Gradient descent from zeros at rate 1: minus the gradients summed over the passes.
+        assert_close(rank, f"{what}: shared variable", got_shared,
+                     -passes * np.mean(x, axis=0), 1e-6)
+        assert_close(rank, f"{what}: local variable", got_local,
+                     -passes * z[rank] / divisor, 1e-6)
+
+
+def check_keras_optimizer_forwarding(rank: int, size: int) -> None:
+    """perseus_legacy.DistributedOptimizer(Keras optimizer, op=Sum) is the Keras one, op kept."""
+    keras.utils.set_random_seed(20)
+    model = keras.Sequential([keras.layers.Dense(2, input_shape=(3,))])
+    initial = model.get_weights()
+    xs = [rank_data(r, (4, 3), np.float32, seed=21) for r in range(size)]
+    ys = [rank_data(r, (4, 2), np.float32, seed=22) for r in range(size)]
+    summed = [np.zeros_like(w) for w in initial]
+    for xr, yr in zip(xs, ys):  # every rank's gradient, one process
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xr) - yr))
+        for total, grad in zip(summed, tape.gradient(loss, model.trainable_weights)):
+            total += grad.numpy()
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Sum)
+    if not isinstance(opt, keras.optimizers.SGD) or not hasattr(opt, "register_local_var"):
+        fail(rank, f"DistributedOptimizer(Keras SGD) returned {type(opt)}")
+    model.compile(optimizer=opt, loss="mse")
+    model.train_on_batch(xs[rank], ys[rank])
+    for k, (got, start, total) in enumerate(zip(model.get_weights(), initial, summed)):
+        assert_close(rank, f"forwarded Keras DistributedOptimizer op=Sum weight {k}", got,
+                     start - 0.1 * total, 1e-5, 1e-6)
+    expect_raises(rank, "DistributedOptimizer of a non-optimizer", TypeError, "Keras 2",
+                  lambda: hvd.DistributedOptimizer(object()))
+
+
+def check_homogeneous(rank: int, size: int) -> None:
+    """Every rank on one host: homogeneous; the answer is remembered."""
+    if hvd.is_homogeneous() is not True or hvd.is_homogeneous() is not True:
+        fail(rank, "is_homogeneous() is not True for ranks that all share one host")
+
+
 FEATURES, VOCAB, OUT, ROWS = 4, 6, 3, 4  # ROWS per rank per step
 
 
@@ -293,14 +358,18 @@ def check_sync_batch_norm(rank: int, size: int) -> None:
                   lambda: hvd.SyncBatchNormalization(fused=True))
 
 
+CHECKS = (check_reducescatter, check_gather_broadcast_objects, check_queries,
+          check_sparse_and_arguments, check_tf1_predivide, check_tf1_local_variables,
+          check_keras_optimizer_forwarding, check_homogeneous, check_distributed_gradient_tape,
+          check_partial_tape, check_sync_batch_norm)
+
+
 def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    for check in (check_reducescatter, check_gather_broadcast_objects, check_queries,
-                  check_sparse_and_arguments, check_tf1_predivide,
-                  check_distributed_gradient_tape, check_partial_tape, check_sync_batch_norm):
+    for check in CHECKS:
         check(rank, size)
         print(f"[rank {rank}] {check.__name__}: ok", flush=True)
     print(f"[rank {rank}] OK", flush=True)
