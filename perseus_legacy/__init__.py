@@ -27,6 +27,7 @@ from perseus_legacy.basics import (  # noqa: F401
     ddl_built,
     gloo_built,
     gloo_enabled,
+    gpu_available,
     init,
     is_homogeneous,
     is_initialized,

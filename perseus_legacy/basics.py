@@ -59,8 +59,17 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "
                              "objects or \"dynamic\"")
         return
-    from perseus_legacy.process_sets import ProcessSet, add_process_set, registered
+    from perseus_legacy.process_sets import ProcessSet, _as_process_set, add_process_set, registered
 
+    process_sets = [_as_process_set(p) for p in process_sets]
+    # Checked before any is registered: a refused list leaves nothing behind for the next init().
+    seen: dict = {}
+    for process_set in process_sets:
+        key = tuple(process_set.ranks)
+        if key in seen and seen[key] is not process_set:
+            raise ValueError(f"init(process_sets=...) names the ranks {list(key)} twice: each "
+                             "process set must have ranks of its own")
+        seen[key] = process_set
     for process_set in process_sets:
         known = isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
         if known and registered().get(process_set.process_set_id) == process_set.ranks:
@@ -278,6 +287,12 @@ def ccl_built() -> bool:
 
 def cuda_built() -> bool:
     """Whether CUDA kernels are built in: never."""
+    return False
+
+
+def gpu_available(ext_base_name: str = "tensorflow", verbose: bool = False) -> bool:
+    """Whether the collectives of `ext_base_name` run on a GPU: never (host memory)."""
+    del ext_base_name, verbose
     return False
 
 

@@ -110,7 +110,7 @@ def check_queries(rank: int, size: int) -> None:
              "gloo_built": hvd.gloo_built(), "gloo_enabled": hvd.gloo_enabled(),
              "nccl_built": hvd.nccl_built(), "ddl_built": hvd.ddl_built(),
              "ccl_built": hvd.ccl_built(), "cuda_built": hvd.cuda_built(),
-             "rocm_built": hvd.rocm_built()}
+             "rocm_built": hvd.rocm_built(), "gpu_available": hvd.gpu_available("tensorflow")}
     expected = dict.fromkeys(flags, False)
     expected.update(mpi_built=True, mpi_enabled=controller == "mpi")
     if flags != expected:

@@ -69,9 +69,38 @@ def each_rank_its_own_process_set() -> None:
     hvd.remove_process_set(even)
 
 
+def init_with_a_repeated_set_registers_none() -> None:
+    """init(process_sets=...) naming the same ranks twice fails before registering any set, so
+    the next init() with a valid list registers them (Horovod's static process-set test)."""
+    rank, size = hvd.rank(), hvd.size()
+    rest = list(range(1, size))
+    try:
+        hvd.init(process_sets=[[0], range(1, size), [0]])
+    except ValueError as error:
+        if "twice" not in str(error):
+            fail(rank, f"the error does not say what is repeated: {error}")
+    else:
+        fail(rank, "init() accepted the ranks [0] twice")
+    from perseus_legacy.process_sets import registered
+
+    if set(registered()) != {0}:
+        fail(rank, f"a refused init() left sets behind: {registered()}")
+    first, others = hvd.ProcessSet([0]), hvd.ProcessSet(range(1, size))
+    hvd.init(process_sets=[first, others])
+    mine, members = (first, [0]) if rank == 0 else (others, rest)
+    value = rank_data(rank, (3,), np.float32)
+    assert_close(rank, f"sum over {members}",
+                 hvd.allreduce(value, op=hvd.Sum, process_set=mine).numpy(),
+                 sum(rank_data(r, (3,), np.float32) for r in members), rtol=1e-6)
+    hvd.allreduce(np.float32([0.0]), name="barrier.init_sets")
+    hvd.remove_process_set(others)
+    hvd.remove_process_set(first)
+
+
 CASES = {
     "broadcast_variables_in_tf_function": broadcast_variables_in_tf_function,
     "each_rank_its_own_process_set": each_rank_its_own_process_set,
+    "init_with_a_repeated_set_registers_none": init_with_a_repeated_set_registers_none,
 }
 
 
