@@ -198,6 +198,7 @@ Status MpiController::Setup(intptr_t comm_handle) {
 
   slot_.resize(kSlotBytes);
   if (rank_ == 0) gather_slots_.resize(kSlotBytes * size_);
+  FindHosts();
   s = SetupHierarchy();
   if (!s.ok()) return s;
   return Check(MPI_Barrier(control_), "MPI_Barrier");
@@ -249,7 +250,16 @@ std::unique_ptr<MpiController> MpiController::Subset(MPI_Comm comm) const {
   set->warning_secs_ = warning_secs_;
   set->shutdown_secs_ = shutdown_secs_;
   set->hosts_ = hosts_;
+  set->FindHosts();
   return set;
+}
+
+void MpiController::FindHosts() {
+  ring_crosses_hosts_ = false;
+  for (int r = 0; r < size_; ++r) {
+    const int a = WorldRank(r), b = WorldRank((r + 1) % size_);
+    ring_crosses_hosts_ = ring_crosses_hosts_ || hosts_[a] != hosts_[b];
+  }
 }
 
 MpiController::~MpiController() {

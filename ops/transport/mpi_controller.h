@@ -107,6 +107,8 @@ class MpiController : public Controller {
   bool subset_ = false;
   std::vector<int> world_ranks_;  // a Subset's: the job's rank of each of its ranks
   int64_t ring_min_bytes_ = kRingMinBytes;
+  bool ring_crosses_hosts_ = false;  // a link of the ring joins ranks on different hosts
+  void FindHosts();  // sets ring_crosses_hosts_ from hosts_ (and world_ranks_)
   bool threads_multiple_ = false;
   MPI_Comm control_ = MPI_COMM_NULL;
   MPI_Comm data_ = MPI_COMM_NULL;

@@ -15,13 +15,15 @@ namespace perseus {
 namespace {
 
 constexpr int kRingTag = 21;  // the control plane's tags are 17-20, on another communicator
-// Chunks must be whole elements: a multiple of every DataTypeSize. Open MPI's TCP transport
-// sends a message of up to its eager limit (btl_tcp_eager_limit, 64 KiB with a header of a few
-// dozen bytes) at once; a larger one waits for the receiver to answer a handshake and then moves
-// a few fragments at a time, each step only inside an MPI call of both ranks, whose gentle
-// polling (Wait) leaves the link idle in between: 256 KiB chunks reached 0.6-0.85 of a 1 Gbit/s
-// link at 4 MiB, chunks that fit the eager limit 0.8-0.9 on the same loaded host.
-constexpr int64_t kRingChunkBytes = int64_t{63} << 10;
+// Chunks must be whole elements: a multiple of every DataTypeSize. Across hosts they fit the
+// eager limit of Open MPI's TCP transport (btl_tcp_eager_limit, 64 KiB with a header of a few
+// dozen bytes), which sends such a message at once; a larger one waits for the receiver to
+// answer a handshake and then moves a few fragments at a time, each step only inside an MPI call
+// of both ranks, whose gentle polling (Wait) leaves the link idle in between: 256 KiB chunks
+// reached 0.6-0.85 of a 1 Gbit/s link at 4 MiB, eager ones 0.8-0.9 on the same loaded host.
+// Within a host (shared memory) larger chunks cost fewer waits.
+constexpr int64_t kCrossHostChunkBytes = int64_t{63} << 10;
+constexpr int64_t kOneHostChunkBytes = int64_t{256} << 10;
 
 Status CheckRing(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
@@ -51,6 +53,8 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   const auto first = [&](int seg) { return SegmentStart(count, n, seg); };
   const int next = (me + 1) % n, prev = (me + n - 1) % n;
   const std::vector<int> peers{WorldRank(prev), WorldRank(next)};
+  // The same on every rank of the ring: the sizes of the chunks sent and received must agree.
+  const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;
   ring_scratch_.resize(static_cast<size_t>((count / n + 1) * item));
 
   // Steps [begin, end) of 2(n - 1): step j sends segment sent(j) to the next rank and receives
@@ -70,13 +74,12 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   };
   const auto sent = [&](int j) { return j == 0 ? segment(me) : received(j - 1); };
   const auto chunks = [&](int seg) {
-    return ((first(seg + 1) - first(seg)) * item + kRingChunkBytes - 1) / kRingChunkBytes;
+    return ((first(seg + 1) - first(seg)) * item + chunk - 1) / chunk;
   };
   const auto chunk_bytes = [&](int seg, int64_t k) {
-    return static_cast<int>(std::min(kRingChunkBytes, (first(seg + 1) - first(seg)) * item -
-                                                          k * kRingChunkBytes));
+    return static_cast<int>(std::min(chunk, (first(seg + 1) - first(seg)) * item - k * chunk));
   };
-  const int64_t max_chunks = (count / n + 1) * item / kRingChunkBytes + 1;
+  const int64_t max_chunks = (count / n + 1) * item / chunk + 1;
   // The send still reading chunk k of segment s, by s * max_chunks + k: a receive into that
   // chunk waits for it first.
   std::vector<MPI_Request> sending(static_cast<size_t>(n * max_chunks), MPI_REQUEST_NULL);
@@ -94,7 +97,7 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
       Status s = wait_one(&sending[static_cast<size_t>(seg * max_chunks + k)], peers[1]);
       if (!s.ok()) return s;
     }
-    return CheckRing(MPI_Irecv(into + k * kRingChunkBytes, chunk_bytes(seg, k), MPI_BYTE, prev,
+    return CheckRing(MPI_Irecv(into + k * chunk, chunk_bytes(seg, k), MPI_BYTE, prev,
                                kRingTag, data_, &receiving[static_cast<size_t>(k)]),
                      "MPI_Irecv");
   };
@@ -103,7 +106,7 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
     const char* from = j == 0 ? source : data;
     Status s = wait_one(&sending[static_cast<size_t>(seg * max_chunks + k)], peers[1]);
     if (!s.ok()) return s;
-    return CheckRing(MPI_Isend(from + first(seg) * item + k * kRingChunkBytes,
+    return CheckRing(MPI_Isend(from + first(seg) * item + k * chunk,
                                chunk_bytes(seg, k), MPI_BYTE, next, kRingTag, data_,
                                &sending[static_cast<size_t>(seg * max_chunks + k)]),
                      "MPI_Isend");
@@ -119,8 +122,8 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
       s = wait_one(&receiving[static_cast<size_t>(k)], peers[0]);
       if (!s.ok()) break;
       if (reduces(j)) {
-        const int64_t at = first(seg) * item + k * kRingChunkBytes;
-        Reduce(dtype, op, ring_scratch_.data() + k * kRingChunkBytes, source + at, data + at,
+        const int64_t at = first(seg) * item + k * chunk;
+        Reduce(dtype, op, ring_scratch_.data() + k * chunk, source + at, data + at,
                chunk_bytes(seg, k) / item);
       }
       if (k < then) s = post_receive(j + 1, k);
