@@ -211,7 +211,8 @@ def runtime_stats() -> dict:
     Totals: "fused_groups" and "tensors_fused" (tensors per fused group is their ratio),
     "cache_hits" / "cache_misses" (tensors negotiated through the response cache / sent on to
     the coordinator), "cache_evictions", "cache_invalidations", "coordinator_rounds",
-    "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped".
+    "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped",
+    "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md).
     """
     return dict(core().runtime_stats())
 

@@ -3,6 +3,7 @@
 // No TensorFlow, pybind11 or MPI header may be included here.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -43,6 +44,13 @@ enum class CollectiveType : uint8_t {
 };
 
 size_t DataTypeSize(DataType dtype);
+
+// How every ring splits `count` elements among `n` ranks: segment s holds elements
+// [SegmentStart(count, n, s), SegmentStart(count, n, s + 1)), the first count % n segments one
+// element more than the others (segments are empty when count < n).
+inline int64_t SegmentStart(int64_t count, int n, int s) {
+  return count / n * s + std::min<int64_t>(s, count % n);
+}
 const char* DataTypeName(DataType dtype);
 const char* ReduceOpName(ReduceOp op);
 const char* CollectiveTypeName(CollectiveType type);

@@ -30,10 +30,28 @@ void FillIdentity(DataType dtype, ReduceOp op, void* data, int64_t count) {
   });
 }
 
-// The args of a collective's timeline event: its bytes, and which group of tensors it reduced.
-std::string CollectiveArgs(int64_t bytes, int64_t id, size_t tensors) {
+// The args of a collective's timeline event: its bytes, which group of tensors it reduced, and
+// for an allreduce the algorithm that ran.
+std::string CollectiveArgs(int64_t bytes, int64_t id, size_t tensors,
+                           const char* algorithm = nullptr) {
   return "\"bytes\":" + std::to_string(bytes) + ",\"group_id\":" + std::to_string(id) +
-         ",\"group_size\":" + std::to_string(tensors);
+         ",\"group_size\":" + std::to_string(tensors) +
+         (algorithm ? std::string(",\"algorithm\":\"") + algorithm + "\"" : std::string());
+}
+
+// Reduce-scatter among this host's ranks, an allreduce of this rank's segment with the same
+// segment of every other host (local_size rings at once, each on 1 / local_size of the data),
+// then an allgather among this host's ranks: each host link carries 2 (H - 1) / H of the tensor
+// for H hosts, where a flat ring over every rank carries 2 (N - 1) / N.
+Status HierarchicalAllreduce(Controller& local, Controller& cross, const void* in, void* out,
+                             int64_t count, DataType dtype, ReduceOp op) {
+  Status s = local.ReduceScatter(in, out, count, dtype, op);
+  const int64_t first = SegmentStart(count, local.size(), local.rank());
+  const int64_t mine = SegmentStart(count, local.size(), local.rank() + 1) - first;
+  char* segment = static_cast<char*>(out) + first * static_cast<int64_t>(DataTypeSize(dtype));
+  if (s.ok() && mine > 0) s = cross.Allreduce(segment, segment, mine, dtype, op);
+  if (s.ok()) s = local.AllgatherSegments(out, count, dtype);
+  return s;
 }
 
 int64_t NowIf(bool timed) { return timed ? Timeline::NowMicros() : 0; }
@@ -90,7 +108,8 @@ Status Operations::Allreduce(const Response& response,
                              "-byte buffer of a joined rank");
       }
       FillIdentity(dtype, response.reduce_op, buffer, total);
-      s = controller_.Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+      const char* how = nullptr;
+      s = Transport(buffer, buffer, total, dtype, response.reduce_op, &how);
     } else if (group.size() == 1) {
       // MPI reads the op's input and writes its output directly: no staging copy.
       CollectiveRequest& e = *entries[group.front()];
@@ -101,10 +120,11 @@ Status Operations::Allreduce(const Response& response,
       }
       const bool timed = timeline_.enabled();
       const int64_t start = NowIf(timed);
-      s = controller_.Allreduce(src, e.output, total, dtype, response.reduce_op);
+      const char* how = nullptr;
+      s = Transport(src, e.output, total, dtype, response.reduce_op, &how);
       if (timed) {
         Record(entries, group, "ALLREDUCE", start, Timeline::NowMicros(),
-               CollectiveArgs(total * item, id, 1), /*transport=*/true);
+               CollectiveArgs(total * item, id, 1, how), /*transport=*/true);
       }
       if (s.ok() && integer_average) DivideIntegers(dtype, e.output, total, contributors);
       if (s.ok() && postscale != 1.0) ScaleBuffer(dtype, e.output, e.output, total, postscale);
@@ -143,7 +163,8 @@ Status Operations::FusedAllreduce(const Response& response,
     offset += count;
   }
   const int64_t reduce = NowIf(timed);
-  Status s = controller_.Allreduce(buffer, buffer, total, dtype, response.reduce_op);
+  const char* how = nullptr;
+  Status s = Transport(buffer, buffer, total, dtype, response.reduce_op, &how);
   if (!s.ok()) return s;
   const int64_t copy_out = NowIf(timed);
   if (divisor != 1) DivideIntegers(dtype, buffer, total, divisor);
@@ -161,11 +182,26 @@ Status Operations::FusedAllreduce(const Response& response,
   if (timed) {
     Record(entries, group, "MEMCPY_IN_FUSION_BUFFER", copy_in, reduce, "");
     Record(entries, group, "ALLREDUCE", reduce, copy_out,
-           CollectiveArgs(total * static_cast<int64_t>(item), id, group.size()),
+           CollectiveArgs(total * static_cast<int64_t>(item), id, group.size(), how),
            /*transport=*/true);
     Record(entries, group, "MEMCPY_OUT_FUSION_BUFFER", copy_out, Timeline::NowMicros(), "");
   }
   return Status::OK();
+}
+
+Status Operations::Transport(const void* in, void* out, int64_t count, DataType dtype,
+                             ReduceOp op, const char** how) {
+  Controller* local = controller_.local();
+  Controller* cross = controller_.cross();
+  // Every rank decides alike: the layout and the setting are the same everywhere (the runtime
+  // checks the setting at init).
+  if (local && cross && hierarchical_ != Hierarchical::kNever) {
+    *how = "hierarchical";
+    RuntimeStats::Add(stats_.hierarchical_allreduces, 1);
+    return HierarchicalAllreduce(*local, *cross, in, out, count, dtype, op);
+  }
+  *how = "flat";
+  return controller_.Allreduce(in, out, count, dtype, op);
 }
 
 void Operations::Record(const std::vector<CollectiveRequest*>& entries,

@@ -51,7 +51,24 @@ struct Config {
   double stall_shutdown_secs = 300.0;
   double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
   std::string timeline_path;                            // PERSEUS_TIMELINE
+  Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
 };
+
+constexpr const char* kHierarchicalNames[] = {"auto", "0", "1"};  // by Hierarchical's value
+
+Status ReadHierarchical(Hierarchical* value) {
+  const char* text = std::getenv("PERSEUS_HIERARCHICAL_ALLREDUCE");
+  if (text == nullptr || *text == '\0') return Status::OK();
+  for (const Hierarchical choice :
+       {Hierarchical::kAuto, Hierarchical::kNever, Hierarchical::kAlways}) {
+    if (std::string(text) == kHierarchicalNames[static_cast<int>(choice)]) {
+      *value = choice;
+      return Status::OK();
+    }
+  }
+  return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE=\"") + text +
+                       "\" is not one of auto, 0, 1");
+}
 
 Status ReadNumber(const char* name, double* value) {
   const char* text = std::getenv(name);
@@ -74,10 +91,34 @@ Status ReadConfig(Config* config) {
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &config->stall_warning_secs);
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
   if (s.ok()) s = ReadNumber("PERSEUS_CACHE_CAPACITY", &config->cache_capacity);
+  if (s.ok()) s = ReadHierarchical(&config->hierarchical);
   config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
   const char* timeline = std::getenv("PERSEUS_TIMELINE");
   config->timeline_path = timeline ? timeline : "";
   return s;
+}
+
+// Settings that change which transfers a collective makes must be the same on every rank, or
+// the ranks would wait on transfers the others never make: an error on every rank otherwise.
+Status AgreeOnSettings(Controller* controller, const Config& config) {
+  const int size = controller->size();
+  const uint8_t mine = static_cast<uint8_t>(config.hierarchical);
+  std::vector<uint8_t> all(static_cast<size_t>(size));
+  Status s = controller->Allgatherv(&mine, all.data(), std::vector<int64_t>(size, 1), 1);
+  if (!s.ok()) return s;
+  std::string differ;
+  for (int r = 0; r < size; ++r) {
+    if (all[r] == all[0]) continue;
+    differ += ", rank " + std::to_string(r) + " has " + kHierarchicalNames[all[r] % 3];
+  }
+  if (differ.empty()) return Status::OK();
+  // Every rank fails alike; none leaves before all have their data, or its closing connections
+  // would fail the others' allgather with a lost peer instead of this error.
+  static_cast<void>(controller->Barrier());
+  return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE differs "
+                                   "between ranks: rank 0 has ") +
+                       kHierarchicalNames[all[0] % 3] + differ +
+                       " (unset is auto); give every rank the same value");
 }
 
 class Runtime {
@@ -203,6 +244,7 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   std::unique_ptr<Controller> controller;
   s = tcp ? CreateTcpController(*tcp, &controller)
           : CreateMpiController(comm_handle, &controller);
+  if (s.ok()) s = AgreeOnSettings(controller.get(), config);
   if (!s.ok()) return s;
 
   config_ = config;
@@ -230,6 +272,13 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   cache_ = CacheRounds(static_cast<size_t>(config_.cache_capacity));
   joined_ = false;
   timeline_.SetIdentity(rank_, tcp_ ? "TCP" : "MPI");
+  if (rank_ == 0 && config_.hierarchical == Hierarchical::kAlways &&
+      (controller_->local() == nullptr || controller_->cross() == nullptr)) {
+    Log("PERSEUS_HIERARCHICAL_ALLREDUCE=1, but every allreduce runs flat: the hierarchical one "
+        "needs several hosts with the same number of ranks, more than one, on each (here " +
+        std::to_string(cross_size_) + " host(s), " + std::to_string(local_size_) +
+        " rank(s) on rank 0's)");
+  }
   if (!config_.timeline_path.empty()) {
     // Not fatal: the job runs as it would without PERSEUS_TIMELINE, and says why there is none.
     s = timeline_.Start(Timeline::RankedPath(config_.timeline_path, rank_));
@@ -626,7 +675,8 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
   Status op;
   const Status comm =
-      Operations(controller, &fusion_, &stats_, &timeline_).Run(response, entries, &op);
+      Operations(controller, config_.hierarchical, &fusion_, &stats_, &timeline_)
+          .Run(response, entries, &op);
   if (!comm.ok()) {
     const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
                                comm.message();

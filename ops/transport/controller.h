@@ -53,6 +53,21 @@ class Controller {
   virtual Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
+  // The two halves of a ring Allreduce, for algorithms built of them (the hierarchical
+  // allreduce, operations.cc), over `count` elements split into size() segments (SegmentStart).
+  // ReduceScatter: segment rank() of `out` receives that segment's reduction over every rank's
+  // `in` (in == out means in place); the rest of `out` is scratch afterwards.
+  virtual Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                               ReduceOp op) = 0;
+  // AllgatherSegments: segment rank() of `data` goes to the same place of every rank's `data`.
+  virtual Status AllgatherSegments(void* data, int64_t count, DataType dtype) = 0;
+
+  // The data planes of a hierarchical allreduce, owned by this controller: local() over this
+  // host's ranks (its rank() is local_rank()), cross() over the ranks with this rank's local
+  // rank, one on each host (its rank() is cross_rank()). Null unless the job spans several
+  // hosts with the same number of ranks, more than one, on each; always null on a process set.
+  virtual Controller* local() { return nullptr; }
+  virtual Controller* cross() { return nullptr; }
 
   // A controller whose data plane runs over `ranks` only (sorted ranks of this controller):
   // its rank() and size() are this rank's position in `ranks` and their number, and it has no

@@ -1,6 +1,7 @@
-// The MPI transport: set-up of its communicators, the control plane in fixed-size slots, the
-// collectives, with our own reduction functions for float16 / bfloat16, and the bounded waits that
-// turn a frozen or unreachable rank into an error naming it.
+// The MPI transport: set-up of its communicators (and of the hierarchical allreduce's local and
+// cross ones), the control plane in fixed-size slots, the collectives, with our own reduction
+// functions for float16 / bfloat16, and the bounded waits that turn a frozen or unreachable rank
+// into an error naming it.
 #include "transport/mpi_controller.h"
 
 #include <algorithm>
@@ -197,27 +198,94 @@ Status MpiController::Setup(intptr_t comm_handle) {
 
   slot_.resize(kSlotBytes);
   if (rank_ == 0) gather_slots_.resize(kSlotBytes * size_);
+  FindHosts();
+  s = SetupHierarchy();
+  if (!s.ok()) return s;
   return Check(MPI_Barrier(control_), "MPI_Barrier");
+}
+
+Status MpiController::SetupHierarchy() {
+  // Every rank sees every host's rank count, so that all of them decide alike.
+  std::vector<int> local_sizes(static_cast<size_t>(size_));
+  Status s = Check(MPI_Allgather(&local_size_, 1, MPI_INT, local_sizes.data(), 1, MPI_INT,
+                                 control_),
+                   "MPI_Allgather");
+  if (!s.ok()) return s;
+  const bool even = std::all_of(local_sizes.begin(), local_sizes.end(),
+                                [&](int n) { return n == local_size_; });
+  if (!even || local_size_ < 2 || cross_size_ < 2) return Status::OK();
+  for (auto [comm, part] : {std::make_pair(local_, &local_data_),
+                            std::make_pair(cross_, &cross_data_)}) {
+    MPI_Comm own = MPI_COMM_NULL;
+    s = Check(MPI_Comm_dup(comm, &own), "MPI_Comm_dup");
+    if (!s.ok()) return s;
+    *part = Subset(own);
+  }
+  cross_data_->ring_min_bytes_ = kCrossRingMinBytes;
+  return Status::OK();
+}
+
+std::unique_ptr<MpiController> MpiController::Subset(MPI_Comm comm) const {
+  auto set = std::make_unique<MpiController>();
+  set->subset_ = true;
+  set->data_ = comm;
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm, &set->rank_);
+  MPI_Comm_size(comm, &set->size_);
+  std::vector<int> positions(static_cast<size_t>(set->size_));
+  for (int r = 0; r < set->size_; ++r) positions[static_cast<size_t>(r)] = r;
+  set->world_ranks_.resize(positions.size());
+  MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+  MPI_Comm_group(comm, &group);
+  MPI_Comm_group(data_, &world);
+  MPI_Group_translate_ranks(group, set->size_, positions.data(), world,
+                            set->world_ranks_.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world);
+  set->threads_multiple_ = threads_multiple_;
+  set->half_type_ = half_type_;
+  set->bfloat16_type_ = bfloat16_type_;
+  set->half_ops_ = half_ops_;
+  set->bfloat16_ops_ = bfloat16_ops_;
+  set->warning_secs_ = warning_secs_;
+  set->shutdown_secs_ = shutdown_secs_;
+  set->hosts_ = hosts_;
+  set->FindHosts();
+  return set;
+}
+
+void MpiController::FindHosts() {
+  ring_crosses_hosts_ = false;
+  for (int r = 0; r < size_; ++r) {
+    const int a = WorldRank(r), b = WorldRank((r + 1) % size_);
+    ring_crosses_hosts_ = ring_crosses_hosts_ || hosts_[a] != hosts_[b];
+  }
 }
 
 MpiController::~MpiController() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  if (process_set_) {
+  if (subset_) {
     // A lost rank is handled (MPI_Abort) by the parent, which is destroyed after this one.
     if (failed_.ok() && data_ != MPI_COMM_NULL) MPI_Comm_free(&data_);
     return;
   }
-  if (!failed_.ok()) {
+  Status failed = failed_;
+  for (const MpiController* part : {local_data_.get(), cross_data_.get()}) {
+    if (failed.ok() && part) failed = part->failed_;
+  }
+  if (!failed.ok()) {
     // A rank stopped answering: freeing the communicators or MPI_Finalize would wait for it
     // forever, and so would mpi4py's finalize at exit. End the job, as mpirun does when a rank
     // exits with an error; the reason is already on stderr.
     std::fprintf(stderr, "perseus_legacy[rank %d]: aborting the MPI job: %s\n", rank_,
-                 failed_.message().c_str());
+                 failed.message().c_str());
     std::fflush(stderr);
     MPI_Abort(MPI_COMM_WORLD, 1);
   }
+  local_data_.reset();
+  cross_data_.reset();
   for (auto* ops : {&half_ops_, &bfloat16_ops_}) {
     for (MPI_Op& op : *ops) {
       if (op != MPI_OP_NULL) MPI_Op_free(&op);
@@ -241,21 +309,7 @@ Status MpiController::CreateProcessSet(const std::vector<int>& ranks,
   Status s = Check(MPI_Comm_split(data_, member ? 0 : MPI_UNDEFINED, rank_, &comm),
                    "MPI_Comm_split");
   if (!s.ok() || !member) return s;
-  auto set = std::make_unique<MpiController>();
-  set->process_set_ = true;
-  set->data_ = comm;
-  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
-  MPI_Comm_rank(comm, &set->rank_);
-  MPI_Comm_size(comm, &set->size_);
-  set->threads_multiple_ = threads_multiple_;
-  set->half_type_ = half_type_;
-  set->bfloat16_type_ = bfloat16_type_;
-  set->half_ops_ = half_ops_;
-  set->bfloat16_ops_ = bfloat16_ops_;
-  set->warning_secs_ = warning_secs_;
-  set->shutdown_secs_ = shutdown_secs_;
-  for (int r : ranks) set->hosts_.push_back(hosts_[r]);
-  *out = std::move(set);
+  *out = Subset(comm);
   return Status::OK();
 }
 
@@ -312,7 +366,8 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
             " s during " + during + " (PERSEUS_STALL_SHUTDOWN_SECS=" +
             NumberString(shutdown_secs_) +
             "); the rank is frozen, stopped, or its host is unreachable");
-        std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank_, failed_.message().c_str());
+        std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", WorldRank(rank_),
+                     failed_.message().c_str());
         std::fflush(stderr);
         return failed_;
       }
@@ -320,7 +375,7 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
                    "perseus_legacy[rank %d]: WARNING: waiting %s s for %s to answer in %s "
                    "(%s, PERSEUS_STALL_WARNING_SECS=%s); a rank may be frozen, stopped, or its "
                    "host unreachable\n",
-                   rank_, NumberString(static_cast<int64_t>(secs)).c_str(),
+                   WorldRank(rank_), NumberString(static_cast<int64_t>(secs)).c_str(),
                    known ? Describe(waiting).c_str() : "the other ranks", what, during.c_str(),
                    NumberString(warning_secs_).c_str());
       std::fflush(stderr);
@@ -473,7 +528,7 @@ MPI_Op MpiController::Op(DataType dtype, ReduceOp op) const {
 
 Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataType dtype,
                                 ReduceOp op) {
-  if (UseRing(count, dtype)) return RingAllreduce(in, out, count, dtype, op);
+  if (UseRing(count, dtype)) return Ring(in, out, count, dtype, op, RingPart::kAllreduce);
   const MPI_Datatype type = Type(dtype);
   const MPI_Op mpi_op = Op(dtype, op);
   const size_t item = DataTypeSize(dtype);
@@ -489,6 +544,18 @@ Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataTy
     done += n;
   }
   return Status::OK();
+}
+
+Status MpiController::ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                                    ReduceOp op) {
+  if (size_ > 1) return Ring(in, out, count, dtype, op, RingPart::kReduceScatter);
+  if (in != out) std::memcpy(out, in, static_cast<size_t>(count) * DataTypeSize(dtype));
+  return failed_;
+}
+
+Status MpiController::AllgatherSegments(void* data, int64_t count, DataType dtype) {
+  if (size_ == 1) return failed_;
+  return Ring(data, data, count, dtype, ReduceOp::kSum, RingPart::kAllgather);
 }
 
 Status MpiController::Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,

@@ -3,7 +3,9 @@
 // shared core), data plane on another (nonblocking collectives, polled). Every wait is bounded by
 // the wait limits: past the warning limit it names the ranks (and hosts) that do not answer,
 // past the shutdown limit it fails, and from then on the controller makes no MPI call that could
-// wait on the lost rank (its destructor aborts the job instead of finalizing).
+// wait on the lost rank (its destructor aborts the job instead of finalizing). On several hosts
+// with the same number of ranks on each, it also holds the data planes of a hierarchical
+// allreduce: one over this host's ranks, one over the ranks with this local rank.
 #pragma once
 
 #include <mpi.h>
@@ -41,6 +43,9 @@ class MpiController : public Controller {
   void SetWaitLimits(double warning_secs, double shutdown_secs) override {
     warning_secs_ = warning_secs > 0 ? std::max(warning_secs, kMinWaitSecs) : 0;
     shutdown_secs_ = shutdown_secs > 0 ? std::max(shutdown_secs, kMinWaitSecs) : 0;
+    for (MpiController* part : {local_data_.get(), cross_data_.get()}) {
+      if (part) part->SetWaitLimits(warning_secs, shutdown_secs);
+    }
   }
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
@@ -54,16 +59,34 @@ class MpiController : public Controller {
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                    const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
   Status Barrier() override;
+  Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                       ReduceOp op) override;
+  Status AllgatherSegments(void* data, int64_t count, DataType dtype) override;
+  Controller* local() override { return local_data_.get(); }
+  Controller* cross() override { return cross_data_.get(); }
   // A communicator split from the data communicator (MPI_Comm_split): collective over every rank.
   Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
 
  private:
   friend Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
   Status Setup(intptr_t comm_handle);
-  // Tensors from kRingMinBytes run as a ring of point-to-point messages (mpi_ring.cc).
+  // A controller with only a data plane, over `comm` (which it takes over): a process set's,
+  // or a part of the hierarchical allreduce. It borrows this controller's types and ops.
+  std::unique_ptr<MpiController> Subset(MPI_Comm comm) const;
+  // The local and cross data planes, when every host has the same number of ranks, above one.
+  Status SetupHierarchy();
+  // Tensors from ring_min_bytes_ run as a ring of point-to-point messages (mpi_ring.cc).
   static constexpr int64_t kRingMinBytes = int64_t{1} << 20;
+  // Across hosts, a hierarchical allreduce's segment (a fraction of the tensor) takes the ring
+  // from this size already: below kRingMinBytes, Open MPI picks a tree that halves the rate.
+  static constexpr int64_t kCrossRingMinBytes = int64_t{64} << 10;
   bool UseRing(int64_t count, DataType dtype) const;
-  Status RingAllreduce(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op);
+  // Which steps of the ring run: all of them (an allreduce), or one of its halves.
+  enum class RingPart { kAllreduce, kReduceScatter, kAllgather };
+  Status Ring(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
+              RingPart part);
+  // The rank of the whole job that is rank `r` of this controller's communicator.
+  int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[r]; }
   // What a wait is for: it sets how eagerly the wait polls (MPI moves data only inside MPI calls,
   // so polling is progress) and how a failure is described.
   enum class WaitFor {
@@ -80,8 +103,12 @@ class MpiController : public Controller {
   MPI_Op Op(DataType dtype, ReduceOp op) const;
 
   bool owns_mpi_ = false;
-  // A process set's controller: only data_ is its own; the types and ops are its parent's.
-  bool process_set_ = false;
+  // A Subset: only data_ is its own; the types and ops are its parent's.
+  bool subset_ = false;
+  std::vector<int> world_ranks_;  // a Subset's: the job's rank of each of its ranks
+  int64_t ring_min_bytes_ = kRingMinBytes;
+  bool ring_crosses_hosts_ = false;  // a link of the ring joins ranks on different hosts
+  void FindHosts();  // sets ring_crosses_hosts_ from hosts_ (and world_ranks_)
   bool threads_multiple_ = false;
   MPI_Comm control_ = MPI_COMM_NULL;
   MPI_Comm data_ = MPI_COMM_NULL;
@@ -97,12 +124,15 @@ class MpiController : public Controller {
   std::array<MPI_Op, 4> bfloat16_ops_;
 
   double warning_secs_ = 0, shutdown_secs_ = 0;
-  std::vector<std::string> hosts_;  // every rank's MPI_Get_processor_name, exchanged at set-up
+  std::vector<std::string> hosts_;  // every rank's MPI_Get_processor_name (by the job's rank)
   Status failed_;                   // the first wait that failed; every later call returns it
 
   std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
   std::vector<char> slot_;
   std::vector<char> ring_scratch_;  // one received segment of a ring allreduce, before it is added
+
+  // The hierarchical allreduce's data planes (local(), cross()); null when it does not apply.
+  std::unique_ptr<MpiController> local_data_, cross_data_;
 };
 
 }  // namespace perseus

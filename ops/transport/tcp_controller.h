@@ -61,6 +61,11 @@ class TcpController : public Controller {
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                    const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
   Status Barrier() override;
+  Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                       ReduceOp op) override;
+  Status AllgatherSegments(void* data, int64_t count, DataType dtype) override;
+  Controller* local() override { return local_.get(); }
+  Controller* cross() override { return cross_.get(); }
   // Over the data mesh's connections between `ranks`: no communication (tcp_process_set.cc).
   Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
 
@@ -75,6 +80,10 @@ class TcpController : public Controller {
   // The collectives over `group`; counts, splits and the root are by position in the group.
   Status GroupAllreduce(const Group& group, const void* in, void* out, int64_t count,
                         DataType dtype, ReduceOp op);
+  // The ring allreduce's reduce-scatter, its allgather, or both (GroupAllreduce), with the
+  // segments of Controller::ReduceScatter / AllgatherSegments.
+  Status GroupRing(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
+                   ReduceOp op, bool reduce_scatter, bool allgather);
   Status GroupAllgatherv(const Group& group, const void* in, void* out,
                          const std::vector<int64_t>& counts, size_t unit_bytes);
   Status GroupBroadcast(const Group& group, void* data, int64_t bytes, int root);
@@ -118,6 +127,9 @@ class TcpController : public Controller {
   // `refused`: set when the peer refused our proof of the secret.
   Status Dial(int peer, int channel, double deadline, bool* refused);
   Status StartupBarrier(double deadline);
+  // local_ and cross_ from the hosts of the ranks' addresses, when the layout allows
+  // (tcp_process_set.cc).
+  void SetupHierarchy();
 
   // The one data-plane engine: sends `sends` to send_peer while receiving `recvs` from
   // recv_peer. With lag >= 0, send piece i waits for received piece i - lag, chunk by chunk
@@ -141,6 +153,9 @@ class TcpController : public Controller {
   std::vector<char> scratch_;  // one received chunk, before it is reduced
   Status failed_;              // the first failure; every later call returns it
   uint64_t control_received_ = 0;  // control bytes received so far (progress of a wait)
+  // The hierarchical allreduce's groups over the mesh (local(), cross()); null when it does not
+  // apply. Declared last: destroyed first.
+  std::unique_ptr<Controller> local_, cross_;
 };
 
 }  // namespace perseus

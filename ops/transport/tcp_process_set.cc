@@ -1,7 +1,8 @@
 // A process set's data plane over TCP: the set's members run the ring, chain and pairwise
 // collectives of tcp_ring.cc over their connections of the data mesh (every pair of ranks is
 // connected at start-up), so adding a set opens no connection and sends nothing. Negotiation
-// stays with the TcpController of every rank.
+// stays with the TcpController of every rank. The hierarchical allreduce's local and cross data
+// planes are such groups too, found from the hosts of the ranks' addresses.
 #include <algorithm>
 #include <memory>
 
@@ -44,6 +45,13 @@ class TcpProcessSet : public Controller {
                    const std::vector<int64_t>& recv_counts, size_t unit_bytes) override {
     return mesh_.GroupAlltoallv(group_, in, send_counts, out, recv_counts, unit_bytes);
   }
+  Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                       ReduceOp op) override {
+    return mesh_.GroupRing(group_, in, out, count, dtype, op, true, false);
+  }
+  Status AllgatherSegments(void* data, int64_t count, DataType dtype) override {
+    return mesh_.GroupRing(group_, data, data, count, dtype, ReduceOp::kSum, false, true);
+  }
   Status Barrier() override {
     char byte = 0;
     return mesh_.GroupAllreduce(group_, &byte, &byte, 1, DataType::kUInt8, ReduceOp::kMax);
@@ -72,6 +80,42 @@ Status TcpController::CreateProcessSet(const std::vector<int>& ranks,
   group.me = static_cast<int>(me - ranks.begin());
   *out = std::make_unique<TcpProcessSet>(this, std::move(group));
   return Status::OK();
+}
+
+}  // namespace perseus
+
+namespace perseus {
+
+void TcpController::SetupHierarchy() {
+  // The host of each rank as the launcher gave it ("host:port"); ranks sharing one are local.
+  // Every rank computes the same from the same addresses, so all of them decide alike.
+  std::vector<std::string> hosts;  // in order of first appearance
+  std::vector<std::vector<int>> ranks_of;  // each host's ranks, in rank order
+  for (int r = 0; r < size_; ++r) {
+    const std::string& address = options_.addresses[r];
+    const std::string host = address.substr(0, address.rfind(':'));
+    const size_t index = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
+    if (index == hosts.size()) {
+      hosts.push_back(host);
+      ranks_of.emplace_back();
+    }
+    ranks_of[index].push_back(r);
+  }
+  const size_t per_host = ranks_of.front().size();
+  for (const std::vector<int>& ranks : ranks_of) {
+    if (ranks.size() != per_host) return;
+  }
+  if (per_host < 2 || hosts.size() < 2) return;
+  std::vector<int> local, cross;
+  for (const std::vector<int>& ranks : ranks_of) {
+    const auto me = std::find(ranks.begin(), ranks.end(), options_.rank);
+    if (me != ranks.end()) local = ranks;
+  }
+  const size_t position = std::find(local.begin(), local.end(), options_.rank) - local.begin();
+  for (const std::vector<int>& ranks : ranks_of) cross.push_back(ranks[position]);
+  // Every member of each list computes the same list, so positions in it agree.
+  CreateProcessSet(local, &local_);
+  CreateProcessSet(cross, &cross_);
 }
 
 }  // namespace perseus

@@ -199,6 +199,7 @@ Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller
   }
   auto controller = std::make_unique<TcpController>(options);
   Status s = controller->Rendezvous();
+  if (s.ok()) controller->SetupHierarchy();
   if (s.ok()) *out = std::move(controller);
   return s;
 }

@@ -1,7 +1,8 @@
 // The TCP transport's data plane: one nonblocking engine (Stream) and the collectives built on
 // it: ring allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv. Each runs over a
-// Group of ranks: every rank, or a process set's members over their connections of the mesh.
+// overlap) and each of its halves, ring allgatherv, pipelined chain broadcast, pairwise
+// alltoallv. Each runs over a Group of ranks: every rank, a process set's members, or a part of
+// the hierarchical allreduce, over their connections of the mesh.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -158,42 +159,59 @@ Status TcpController::Alltoallv(const void* in, const std::vector<int64_t>& send
   return GroupAlltoallv(Everyone(), in, send_counts, out, recv_counts, unit_bytes);
 }
 
+Status TcpController::ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
+                                    ReduceOp op) {
+  return GroupRing(Everyone(), in, out, count, dtype, op, true, false);
+}
+
+Status TcpController::AllgatherSegments(void* data, int64_t count, DataType dtype) {
+  return GroupRing(Everyone(), data, data, count, dtype, ReduceOp::kSum, false, true);
+}
+
 Status TcpController::GroupAllreduce(const Group& group, const void* in, void* out,
                                      int64_t count, DataType dtype, ReduceOp op) {
+  return GroupRing(group, in, out, count, dtype, op, true, true);
+}
+
+Status TcpController::GroupRing(const Group& group, const void* in, void* out, int64_t count,
+                                DataType dtype, ReduceOp op, bool reduce_scatter,
+                                bool allgather) {
   if (!failed_.ok()) return failed_;
   const size_t item = DataTypeSize(dtype);
   char* data = static_cast<char*>(out);
   const char* source = static_cast<const char*>(in);
   const int n = group.size(), me = group.me;
   if (n == 1 || count == 0) {
-    if (in != out) std::memcpy(data, in, count * item);
+    if (in != out && reduce_scatter) std::memcpy(data, in, count * item);
     return Status::OK();
   }
-  // Segment s: elements [offset[s], offset[s + 1]).
-  std::vector<int64_t> offset(n + 1, 0);
-  for (int s = 0; s < n; ++s) offset[s + 1] = offset[s] + count / n + (s < count % n ? 1 : 0);
+  // The ring's segment s is segment s - 1 (SegmentStart), so that the reduce-scatter leaves
+  // this rank's own segment, me, complete (controller.h).
   auto segment = [&](int s) {
-    s = ((s % n) + n) % n;
-    return Piece{data + offset[s] * item, static_cast<size_t>(offset[s + 1] - offset[s]) * item};
+    s = ((s - 1) % n + n) % n;
+    const int64_t first = SegmentStart(count, n, s), last = SegmentStart(count, n, s + 1);
+    return Piece{data + first * item, static_cast<size_t>(last - first) * item};
   };
-  // Reduce-scatter: step t sends segment me - t and reduces segment me - t - 1 into place;
-  // afterwards this rank holds the sum of segment me + 1. Allgather: step t sends segment
-  // me + 1 - t and receives segment me - t. Every send forwards the previous step's receipt,
-  // except the first, which sends this rank's own input: `out` is written only by receipts
-  // (each reduction combines a receipt with `in`), so the input is never copied to it first.
+  // Reduce-scatter: step t sends the ring's segment me - t and reduces segment me - t - 1 into
+  // place; afterwards this rank holds the sum of the ring's segment me + 1. Allgather: step t
+  // sends segment me + 1 - t and receives segment me - t. Every send forwards the previous
+  // step's receipt, except the first, which sends this rank's own input: `out` is written only
+  // by receipts (each reduction combines a receipt with `in`), so the input is never copied to
+  // it first.
   std::vector<Piece> sends, recvs;
-  for (int t = 0; t < n - 1; ++t) {
+  for (int t = 0; reduce_scatter && t < n - 1; ++t) {
     Piece send = segment(me - t);
     if (t == 0) send.data = const_cast<char*>(source) + (send.data - data);
     sends.push_back(send);
     recvs.push_back(segment(me - t - 1));
   }
-  for (int t = 0; t < n - 1; ++t) {
+  for (int t = 0; allgather && t < n - 1; ++t) {
     sends.push_back(segment(me + 1 - t));
     recvs.push_back(segment(me - t));
   }
   const Reduction reduction{dtype, op, static_cast<size_t>(n - 1), source, data};
-  return Stream(group.at(me + 1), sends, group.at(me - 1), recvs, 1, &reduction);
+  return Stream(group.at(me + 1), sends, group.at(me - 1), recvs, 1,
+                reduce_scatter ? &reduction : nullptr);
 }
 
 Status TcpController::GroupAllgatherv(const Group& group, const void* in, void* out,

@@ -1,0 +1,66 @@
+"""The hierarchical allreduce (reduce-scatter within a host, a ring across hosts per local rank,
+allgather within the host) on emulated hosts, over MPI and TCP: results against numpy, and the
+algorithm that ran, from runtime_stats and the timeline. PERSEUS_HIERARCHICAL_ALLREDUCE=0 and one
+rank per host run flat; ranks that disagree on the setting fail init() saying so.
+
+The emulated launches need root and iproute2 (see tests/test_multihost.py); without them they
+are skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+from harness import run_ranks
+from test_multihost import needs_emulation, run_emulated
+
+WORKER = "tests/workers/hierarchical.py"
+
+
+def assert_every_rank(out: str, ranks: int, hierarchical: bool) -> None:
+    for rank in range(ranks):
+        assert f"[rank {rank}] hierarchical OK" in out, out
+    ran_hierarchical = "hierarchical OK: 0 of" not in out
+    assert ran_hierarchical == hierarchical, out
+
+
+NOT_APPLICABLE = "PERSEUS_HIERARCHICAL_ALLREDUCE=1, but every allreduce runs flat"
+
+
+@needs_emulation
+@pytest.mark.parametrize("controller,setting", [("mpi", ""), ("tcp", "1")],
+                         ids=["mpi-auto", "tcp-setting-1"])
+def test_2_hosts_x_2_ranks_reduce_hierarchically_and_match_numpy(controller, setting, tmp_path):
+    """Every op and dtype, 1 to ~1 MiB + 7 elements, scaling, fused groups: equal to numpy; each
+    global-set allreduce counted hierarchical and named so on the timeline; a process set's
+    allreduce (one rank per host) ran flat."""
+    options = ["--emulate-hosts", "2:2"] + (["--tcp"] if controller == "tcp" else [])
+    out = run_emulated(options, WORKER, "hierarchical", tmp_path / "trace", timeout=150,
+                       env={"PERSEUS_HIERARCHICAL_ALLREDUCE": setting})
+    assert_every_rank(out, 4, hierarchical=True)
+    assert NOT_APPLICABLE not in out, out
+
+
+@needs_emulation
+@pytest.mark.parametrize("controller,layout,setting", [("mpi", "2:2", "0"), ("tcp", "2:1", "1")],
+                         ids=["mpi-setting-0", "tcp-1-rank-per-host"])
+def test_flat_when_turned_off_or_one_rank_per_host(controller, layout, setting, tmp_path):
+    """Counted flat and named so on the timeline; asked for (1) where it cannot run, rank 0
+    says why."""
+    options = ["--emulate-hosts", layout] + (["--tcp"] if controller == "tcp" else [])
+    out = run_emulated(options, WORKER, "flat", tmp_path / "trace", timeout=150,
+                       env={"PERSEUS_HIERARCHICAL_ALLREDUCE": setting})
+    assert_every_rank(out, 4 if layout == "2:2" else 2, hierarchical=False)
+    assert (f"[rank 0]: {NOT_APPLICABLE}" in out) == (setting == "1"), out
+
+
+def test_ranks_disagreeing_on_the_setting_fail_init_naming_them():
+    """Over TCP, where a rank that left early would fail the others with a lost peer instead."""
+    out = run_ranks(3, WORKER, "mismatch", controller="tcp", timeout=120).stdout
+    for rank in range(3):
+        assert f"[rank {rank}] init refused" in out, out
+    assert "rank 0 has 1, rank 1 has 0" in out, out
+
+
+def test_a_value_other_than_auto_0_1_fails_init_quoting_it():
+    out = run_ranks(1, WORKER, "bad-value", timeout=60).stdout
+    assert "[rank 0] init refused" in out, out
