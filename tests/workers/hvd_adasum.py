@@ -14,6 +14,7 @@ import perseus_legacy as hvd
 
 import numpy as np
 import tensorflow as tf
+from hvd_checks import run_checks
 from worker_util import assert_close, fail, rank_data
 
 import perseus_legacy.keras as hvd_keras
@@ -271,14 +272,7 @@ CHECKS = (check_allreduce, check_process_sets_and_errors, check_gradient_tape,
 
 
 def main() -> None:
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    for check in CHECKS:
-        check(rank, size)
-        print(f"[rank {rank}] {check.__name__}: ok", flush=True)
-    print(f"[rank {rank}] OK", flush=True)
+    run_checks(CHECKS)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
+from hvd_checks import run_checks
 from worker_util import assert_close, fail, rank_data
 
 from perseus_legacy.keras._keras import keras
@@ -365,14 +366,7 @@ CHECKS = (check_reducescatter, check_gather_broadcast_objects, check_queries,
 
 
 def main() -> None:
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    for check in CHECKS:
-        check(rank, size)
-        print(f"[rank {rank}] {check.__name__}: ok", flush=True)
-    print(f"[rank {rank}] OK", flush=True)
+    run_checks(CHECKS)
 
 
 if __name__ == "__main__":

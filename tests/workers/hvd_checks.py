@@ -26,16 +26,22 @@ def selected_checks(arguments: list) -> list:
     return checks
 
 
-def main() -> None:
+def run_checks(checks: list, shutdown: bool = False) -> None:
+    """init(), then every check on this rank in order; "[rank R] OK" once all passed."""
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    checks = selected_checks(sys.argv[1:])
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     for check in checks:
         check(rank, size)
         print(f"[rank {rank}] {check.__module__}.{check.__name__}: ok", flush=True)
     print(f"[rank {rank}] OK", flush=True)
+    if shutdown:
+        hvd.shutdown()
+
+
+def main() -> None:
+    run_checks(selected_checks(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from keras_common import hvd as hvd_keras
 
 import numpy as np
 import tensorflow as tf
+from hvd_checks import run_checks
 from worker_util import assert_close, fail, rank_data
 
 import perseus_legacy as hvd
@@ -204,15 +205,7 @@ CHECKS = (check_custom_loop, check_keras_fit, check_tf1_session)
 
 
 def main() -> None:
-    tf.config.threading.set_inter_op_parallelism_threads(2)
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
-    for check in CHECKS:
-        check(rank, size)
-        print(f"[rank {rank}] {check.__name__}: ok", flush=True)
-    print(f"[rank {rank}] OK", flush=True)
-    hvd.shutdown()
+    run_checks(CHECKS, shutdown=True)
 
 
 if __name__ == "__main__":
