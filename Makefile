@@ -35,7 +35,7 @@ compat-venvs:
 	touch $@
 
 # The op library for TF 2.15 (another C++ ABI), against .venv-tf215's TensorFlow headers and
-# linked to the runtime library of `make build`; perseus_legacy/ops.py picks it under TF 2.15.
+# linked to the runtime library of `make build`; perseus_legacy/tensorflow/collectives.py picks it under TF 2.15.
 tf215-ops: .venv-tf215/.tf_ops_built
 # --force: build_ext compares only the .cc files with the library, not the runtime's headers
 # that the op library shares with libperseus_common.so.

@@ -56,12 +56,12 @@ def _controllers() -> Any:
 
 
 def _tf_ops() -> str:
-    importlib.import_module("perseus_legacy.ops")._op_library()
+    importlib.import_module("perseus_legacy.tensorflow.collectives")._op_library()
     return "loaded into TensorFlow"
 
 
 def _transport() -> str:
-    tf_config = importlib.import_module("perseus_legacy.tf_config")
+    tf_config = importlib.import_module("perseus_legacy.common.tf_config")
     return f"{tf_config.controller_from_env()} (in this environment)"
 
 

@@ -23,7 +23,7 @@ import pytest
 from harness import BIN, ROOT, failure_summary, launch_env
 from test_launcher import _exits_within
 
-from perseus_legacy.tf_config import MPI_LAUNCHER_VARIABLES
+from perseus_legacy.common.tf_config import MPI_LAUNCHER_VARIABLES
 from perseusrun import emulate, launch
 
 PERSEUSRUN = str(BIN / "perseusrun")

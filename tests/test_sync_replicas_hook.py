@@ -37,7 +37,7 @@ def test_ranks_that_stop_at_different_steps_all_end_after_the_last_common_step(n
 def test_an_update_op_that_cannot_be_rewritten_is_named_in_the_error(monkeypatch):
     import perseus_legacy as pl  # noqa: I001 (first: it selects legacy Keras)
     import tensorflow as tf
-    from perseus_legacy import basics
+    from perseus_legacy.common import basics
 
     assert not pl.is_initialized()
     # Only the checks before any collective run here: pretend to be one of two ranks.

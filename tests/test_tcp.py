@@ -18,7 +18,8 @@ from hashlib import sha256
 import pytest
 from harness import ROOT, WORKERS, launch_env
 
-from perseus_legacy import _core, tf_config
+from perseus_legacy import _core
+from perseus_legacy.common import tf_config
 from perseusrun import launch
 
 SECRET = "test-secret-0123456789"

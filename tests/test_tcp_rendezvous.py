@@ -18,7 +18,7 @@ import pytest
 from harness import ROOT, WORKERS, launch_env
 from workers.tcp_impostor import HELLO_BYTES, claim, read_exactly
 
-from perseus_legacy import tf_config
+from perseus_legacy.common import tf_config
 from perseusrun import emulate, launch
 
 SECRET = "rendezvous-test-secret-0123456789"

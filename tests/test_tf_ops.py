@@ -32,7 +32,7 @@ def test_import_does_not_load_the_op_library_and_a_missing_build_is_an_import_er
     code = (
         "import sysconfig\n"
         "import perseus_legacy as pl\n"
-        "from perseus_legacy import ops\n"
+        "from perseus_legacy.tensorflow import collectives as ops\n"
         "assert ops._library is None, 'the op library was loaded at import'\n"
         "sysconfig.get_config_var = lambda name: '.not-built.so'\n"
         "try:\n"

@@ -12,7 +12,7 @@ import copy
 import functools
 from typing import Any, Callable
 
-from perseus_legacy import basics, objects
+from perseus_legacy.common import basics, objects
 
 
 class HorovodInternalError(RuntimeError):

@@ -12,8 +12,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics, hooks, ops
+from perseus_legacy.common import basics
 from perseus_legacy.elastic.state import ObjectState
+from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tf1 import hooks
 
 
 def optimizer_variables(optimizer: Any) -> list:
@@ -74,7 +76,7 @@ class TensorFlowState(ObjectState):
     def sync(self) -> None:
         """Every rank takes rank 0's variables (current values) and committed attributes."""
         if self._eager:
-            ops.broadcast_(self.variables, root_rank=0, name="perseus.elastic.variables")
+            collectives.broadcast_(self.variables, root_rank=0, name="perseus.elastic.variables")
         else:
             self.session.run(self._broadcast)
         self._values = self._read()
@@ -98,8 +100,8 @@ class TensorFlowKerasState(ObjectState):
                              "model.build(input_shape) or run it on a batch")
         self.model = model
         self.optimizer = optimizer or model.optimizer
-        from perseus_legacy.keras._keras import keras  # Keras only for Keras states
-        from perseus_legacy.keras._optimizer import build_optimizer
+        from perseus_legacy.keras.keras2 import keras  # Keras only for Keras states
+        from perseus_legacy.keras.optimizer import build_optimizer
 
         self.backend = backend or keras.backend
         self._broadcast = None
@@ -134,7 +136,7 @@ class TensorFlowKerasState(ObjectState):
         """Every rank takes rank 0's model and optimizer values and committed attributes."""
         basics.require_initialized("TensorFlowKerasState.sync()")
         if self._broadcast is None:
-            ops.broadcast_(self._variables(), root_rank=0, name="perseus.elastic.keras")
+            collectives.broadcast_(self._variables(), root_rank=0, name="perseus.elastic.keras")
         else:
             self.backend.get_session().run(self._broadcast)
         self._save_model()

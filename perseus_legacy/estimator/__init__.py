@@ -50,7 +50,7 @@ def estimator_hooks() -> list:
     the training synchronous (gradient averaging, rank 0's variables broadcast at the start),
     but ranks do not agree on the start step, and every rank writes into its model_dir.
     """
-    from perseus_legacy.hooks import SyncReplicasHook
+    from perseus_legacy.tf1.hooks import SyncReplicasHook
 
     return [SyncReplicasHook()]
 

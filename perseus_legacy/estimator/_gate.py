@@ -26,7 +26,7 @@ from typing import Iterator
 
 import numpy as np
 
-from perseus_legacy import basics
+from perseus_legacy.common import basics
 
 HEARTBEAT_SECS = 0.5
 DEFAULT_CHIEF_WAIT_SECS = 7200.0

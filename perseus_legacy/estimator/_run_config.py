@@ -3,7 +3,7 @@
 Under TF_CONFIG the ranks' RunConfig is a local one (tf.estimator then starts no TF server and no
 parameter-server training): TF_CONFIG only forms the process group (perseus_legacy.init()). The
 evaluator's RunConfig is tf.estimator's own evaluator config, so its evaluation loop runs. Both
-read the one Cluster that perseus_legacy.tf_config parsed from TF_CONFIG.
+read the one Cluster that perseus_legacy.common.tf_config parsed from TF_CONFIG.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics, config, tf_config
+from perseus_legacy.common import basics, tf_config
+from perseus_legacy.tf1 import config
 from perseus_legacy.tf_compat import estimator_api
 
 LOG_ALL_RANKS_ENV = "PERSEUS_LOG_ALL_RANKS"

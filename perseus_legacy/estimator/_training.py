@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from perseus_legacy import basics
+from perseus_legacy.common import basics
 from perseus_legacy.estimator import _payload
 from perseus_legacy.estimator._gate import ChiefGate
 from perseus_legacy.estimator._run_config import (
@@ -39,7 +39,7 @@ from perseus_legacy.estimator._run_config import (
     DistributedRunConfig,
     cluster_role,
 )
-from perseus_legacy.hooks import BroadcastGlobalVariablesHook, SyncReplicasHook
+from perseus_legacy.tf1.hooks import BroadcastGlobalVariablesHook, SyncReplicasHook
 from perseus_legacy.tf_compat import estimator_api
 
 _BATCH_SIZE = "perseus_legacy_batch_size"  # graph collection: this rank's training batch size

@@ -13,10 +13,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average
-from perseus_legacy.keras._keras import LEGACY_OPTIMIZER_CLASSES, keras
-from perseus_legacy.keras._optimizer import build_optimizer
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Average
+from perseus_legacy.keras.keras2 import LEGACY_OPTIMIZER_CLASSES, keras
+from perseus_legacy.keras.optimizer import build_optimizer
+from perseus_legacy.tensorflow import collectives
 
 __all__ = ["BackupAndRestore", "BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback", "MetricAverageCallback",
@@ -47,7 +48,7 @@ def broadcast_variables(variables: list, root_rank: int) -> None:
     _require_eager("perseus_legacy.keras.broadcast_variables()")
     unique = list({id(v): v for v in variables}.values())
     if unique:
-        for var, value in zip(unique, ops.broadcast_function(
+        for var, value in zip(unique, collectives.broadcast_function(
                 [v.value() for v in unique], basics.check_root(root_rank, "broadcast_variables"),
                 None)):
             var.assign(value)
@@ -121,7 +122,8 @@ class MetricAverageCallback(keras.callbacks.Callback):
                       and np.issubdtype(np.asarray(v).dtype, np.number))
         values = [tf.constant(float(logs[k]), tf.float64) for k in keys]
         with tf.device(self.device):
-            averaged = ops.grouped_allreduce(values, op=Average, name="MetricAverageCallback")
+            averaged = collectives.grouped_allreduce(values, op=Average,
+                                                     name="MetricAverageCallback")
         for key, value in zip(keys, averaged):
             logs[key] = float(value)
 

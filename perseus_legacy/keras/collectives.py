@@ -6,30 +6,30 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import ops
-from perseus_legacy.basics import Average
-from perseus_legacy.compression import Compression
+from perseus_legacy.common.basics import Average
+from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tensorflow.compression import Compression
 
 
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               op: int | None = None, compression: Any = Compression.none) -> tf.Tensor:
     """perseus_legacy.allreduce of `value` (default Average); `name` names the collective."""
-    return ops.allreduce(tf.convert_to_tensor(value), average=average, op=op, name=name,
+    return collectives.allreduce(tf.convert_to_tensor(value), average=average, op=op, name=name,
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                          compression=compression)
 
 
 def allgather(value: Any, name: str | None = None) -> tf.Tensor:
     """perseus_legacy.allgather of `value`."""
-    return ops.allgather(tf.convert_to_tensor(value), name=name)
+    return collectives.allgather(tf.convert_to_tensor(value), name=name)
 
 
 def broadcast(value: Any, root_rank: int, name: str | None = None) -> tf.Tensor:
     """perseus_legacy.broadcast of `value` from `root_rank`."""
-    return ops.broadcast(tf.convert_to_tensor(value), root_rank, name=name)
+    return collectives.broadcast(tf.convert_to_tensor(value), root_rank, name=name)
 
 
 def reducescatter(value: Any, name: str | None = None, op: int = Average) -> tf.Tensor:
     """perseus_legacy.reducescatter of `value`."""
-    return ops.reducescatter(tf.convert_to_tensor(value), op=op, name=name)
+    return collectives.reducescatter(tf.convert_to_tensor(value), op=op, name=name)

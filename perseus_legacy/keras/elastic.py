@@ -14,7 +14,7 @@ from perseus_legacy.elastic.state import (  # noqa: F401
     run,
 )
 from perseus_legacy.elastic.tensorflow_state import TensorFlowKerasState
-from perseus_legacy.keras._keras import keras
+from perseus_legacy.keras.keras2 import keras
 
 
 class KerasState(TensorFlowKerasState):

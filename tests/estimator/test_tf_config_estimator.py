@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from tf_matrix import available, env, python_for
 
-from perseus_legacy import tf_config
+from perseus_legacy.common import tf_config
 from perseusrun.launch import free_local_ports
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,8 @@ import ml_dtypes
 import numpy as np
 from worker_util import assert_close, fail, rank_data
 
-from perseus_legacy import _core, basics, tf_config
+from perseus_legacy import _core
+from perseus_legacy.common import basics, tf_config
 
 CONTROLLER = tf_config.controller_from_env()  # "mpi", or "tcp" under perseusrun --tcp
 

@@ -16,7 +16,8 @@ import time
 import numpy as np
 from worker_util import assert_close, fail
 
-from perseus_legacy import _core, basics, tf_config
+from perseus_legacy import _core
+from perseus_legacy.common import basics, tf_config
 
 CONTROLLER = tf_config.controller_from_env()
 if CONTROLLER == "mpi":

@@ -9,7 +9,8 @@ import time
 
 import numpy as np
 
-from perseus_legacy import _core, basics
+from perseus_legacy import _core
+from perseus_legacy.common import basics
 
 
 def main() -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 from worker_util import assert_close, fail
 
-from perseus_legacy import _core, basics
+from perseus_legacy import _core
+from perseus_legacy.common import basics
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import sys
 import time
 
-from perseus_legacy import _core, basics
+from perseus_legacy import _core
+from perseus_legacy.common import basics
 from perseus_legacy.estimator._gate import ChiefGate
 
 

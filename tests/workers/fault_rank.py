@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from perseus_legacy import _core, basics
+from perseus_legacy import _core
+from perseus_legacy.common import basics
 
 FAULT_STEP = 20
 

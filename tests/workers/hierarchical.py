@@ -20,7 +20,8 @@ import ml_dtypes
 import numpy as np
 from worker_util import assert_close, fail, rank_data
 
-from perseus_legacy import _core, basics, process_sets, tf_config
+from perseus_legacy import _core
+from perseus_legacy.common import basics, process_sets, tf_config
 
 # Smaller than the 4 ranks, not divisible by 2 (ranks per host) or 4, and one of ~1 MiB + 7
 # elements, whose segments MPI moves in its ring's chunks.

@@ -18,7 +18,7 @@ from hvd_checks import run_checks
 from worker_util import assert_close, fail, rank_data
 
 import perseus_legacy.keras as hvd_keras
-from perseus_legacy.keras._keras import keras
+from perseus_legacy.keras.keras2 import keras
 
 
 def adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -20,7 +20,7 @@ import tensorflow as tf
 from hvd_checks import run_checks
 from worker_util import assert_close, fail, rank_data
 
-from perseus_legacy.keras._keras import keras
+from perseus_legacy.keras.keras2 import keras
 
 
 def scatter_part(rows: int, size: int, rank: int) -> slice:

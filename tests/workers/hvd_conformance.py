@@ -81,7 +81,7 @@ def init_with_a_repeated_set_registers_none() -> None:
             fail(rank, f"the error does not say what is repeated: {error}")
     else:
         fail(rank, "init() accepted the ranks [0] twice")
-    from perseus_legacy.process_sets import registered
+    from perseus_legacy.common.process_sets import registered
 
     if set(registered()) != {0}:
         fail(rank, f"a refused init() left sets behind: {registered()}")

@@ -20,7 +20,7 @@ from worker_util import assert_close, fail, rank_data
 
 import perseus_legacy as hvd
 from perseus_legacy.elastic.tensorflow_state import optimizer_variables
-from perseus_legacy.keras._keras import keras
+from perseus_legacy.keras.keras2 import keras
 
 EPOCHS = 2
 

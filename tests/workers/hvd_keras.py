@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 
-from perseus_legacy.keras._keras import keras
+from perseus_legacy.keras.keras2 import keras
 
 EPOCHS = 2
 

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from perseus_legacy.keras._keras import keras as tf_keras  # tf-keras, or tf.keras on TF < 2.16
+from perseus_legacy.keras.keras2 import keras as tf_keras  # tf-keras, or tf.keras on TF < 2.16
 
 FEATURES, VOCAB, CLASSES = 6, 10, 3
 EXAMPLES = 96  # divisible by BATCH * 2 and BATCH * 3

@@ -231,7 +231,7 @@ def check_keras_optimizer(rank: int, size: int, ps: hvd.ProcessSet) -> None:
     if not ps.included():
         return
     import perseus_legacy.keras as hvd_keras
-    from perseus_legacy.keras._keras import keras
+    from perseus_legacy.keras.keras2 import keras
 
     rng = np.random.RandomState(2)
     x_all = rng.rand(4 * ps.size(), 3).astype(np.float32)

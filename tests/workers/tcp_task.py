@@ -19,7 +19,8 @@ import time
 import numpy as np
 from worker_util import assert_close, fail, rank_data
 
-from perseus_legacy import _core, basics, tf_config
+from perseus_legacy import _core
+from perseus_legacy.common import basics, tf_config
 
 
 def allreduce_sum(rank: int, size: int) -> None:

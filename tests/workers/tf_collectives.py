@@ -9,7 +9,7 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 
 # perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
 import perseus_legacy as pl
-from perseus_legacy import ops as pl_ops
+from perseus_legacy.tensorflow import collectives as pl_ops
 
 import os
 import random

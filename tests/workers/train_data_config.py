@@ -7,7 +7,7 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 
 # perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
 import perseus_legacy as pl
-from perseus_legacy import data
+from perseus_legacy.tf1 import data
 
 import numpy as np
 import tensorflow as tf

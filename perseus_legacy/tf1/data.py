@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from perseus_legacy import basics
+from perseus_legacy.common import basics
 
 # Transformations whose output order (or content) depends on where they sit relative to shard().
 _ORDER_CHANGING = {

@@ -6,9 +6,10 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Sum
-from perseus_legacy.keras._keras import keras
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Sum
+from perseus_legacy.keras.keras2 import keras
+from perseus_legacy.tensorflow import collectives
 
 
 class SyncBatchNormalization(keras.layers.BatchNormalization):
@@ -42,7 +43,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                           tf.reduce_sum(x, axis=reduction_axes, keepdims=True),
                           tf.reduce_sum(tf.square(x), axis=reduction_axes, keepdims=True)])
         total_count, total, total_squares = tf.unstack(
-            ops.allreduce(local, op=Sum, name=f"{self.name}.moments"))
+            collectives.allreduce(local, op=Sum, name=f"{self.name}.moments"))
         mean = total / total_count
         variance = tf.maximum(total_squares / total_count - tf.square(mean), 0.0)
         if not keep_dims:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable, Sequence
 
-from perseus_legacy import basics
+from perseus_legacy.common import native
 
 
 class ProcessSet:
@@ -67,7 +67,7 @@ class ProcessSet:
         """
         self._registered_id("rank")
         ranks = self._current_ranks()
-        me = basics.rank()
+        me = native.core().rank()
         if me not in ranks:
             raise ValueError(f"rank {me} is not in {self}")
         return ranks.index(me)
@@ -75,7 +75,7 @@ class ProcessSet:
     def included(self) -> bool:
         """Whether this process is one of the set's ranks."""
         self._registered_id("included")
-        return basics.rank() in self._current_ranks()
+        return native.core().rank() in self._current_ranks()
 
     def __repr__(self) -> str:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
@@ -89,8 +89,8 @@ class _GlobalProcessSet(ProcessSet):
         self.process_set_id = 0
 
     def _current_ranks(self) -> list:
-        basics.require_initialized("global_process_set")
-        ranks = list(range(basics.size()))
+        native.require_initialized("global_process_set")
+        ranks = list(range(native.core().size()))
         self.ranks = ranks
         return ranks
 
@@ -100,12 +100,12 @@ global_process_set: ProcessSet = _GlobalProcessSet()
 
 def registered() -> dict:
     """{id: ranks} of every registered process set (empty before init())."""
-    if not basics.is_initialized():
+    if not native.is_initialized():
         return {}
-    return {int(k): list(v) for k, v in basics.core().process_sets().items()}
+    return {int(k): list(v) for k, v in native.core().process_sets().items()}
 
 
-def _as_process_set(process_set: Any) -> ProcessSet:
+def as_process_set(process_set: Any) -> ProcessSet:
     if isinstance(process_set, ProcessSet):
         return process_set
     return ProcessSet(process_set)
@@ -118,11 +118,11 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ValueError on every rank when the ranks' calls disagree (naming the ranks of each call),
     when the set already exists, or when a rank has joined.
     """
-    basics.require_initialized("add_process_set()")
-    process_set = _as_process_set(process_set)
+    native.require_initialized("add_process_set()")
+    process_set = as_process_set(process_set)
     if process_set.process_set_id is not None:
         raise ValueError(f"{process_set} is already registered")
-    process_set.process_set_id = int(basics.core().add_process_set(process_set.ranks))
+    process_set.process_set_id = int(native.core().add_process_set(process_set.ranks))
     return process_set
 
 
@@ -132,11 +132,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
     Collectives of the set still pending on its ranks fail.
     """
-    basics.require_initialized("remove_process_set()")
+    native.require_initialized("remove_process_set()")
     set_id = process_set.process_set_id
     if set_id is None or set_id == 0:
         return False
-    basics.core().remove_process_set(set_id)
+    native.core().remove_process_set(set_id)
     process_set.process_set_id = None
     return True
 
@@ -157,7 +157,7 @@ def process_set_id(process_set: ProcessSet | None, what: str) -> int:
     ranks = registered().get(set_id)
     if ranks is None:
         raise ValueError(f"{what}: {process_set} is not registered on this rank")
-    me = basics.rank()
+    me = native.core().rank()
     if me not in ranks:
         raise ValueError(f"{what}: rank {me} is not in process set {set_id} (ranks {ranks}); "
                          "only its ranks may run its collectives")
@@ -167,6 +167,25 @@ def process_set_id(process_set: ProcessSet | None, what: str) -> int:
 def set_size_and_rank(set_id: int) -> tuple:
     """(size, this rank's position) of the registered process set `set_id`."""
     if set_id == 0:
-        return basics.size(), basics.rank()
+        return native.core().size(), native.core().rank()
     ranks = registered()[set_id]
-    return len(ranks), ranks.index(basics.rank())
+    return len(ranks), ranks.index(native.core().rank())
+
+
+def register_at_init(process_sets: Iterable) -> None:
+    """init(process_sets=...): registers every set, in order, after checking the whole list
+    (a refused list leaves nothing behind for the next init()); sets registered by an earlier
+    init() are kept."""
+    sets = [as_process_set(p) for p in process_sets]
+    seen: dict = {}
+    for process_set in sets:
+        key = tuple(process_set.ranks)
+        if key in seen and seen[key] is not process_set:
+            raise ValueError(f"init(process_sets=...) names the ranks {list(key)} twice: each "
+                             "process set must have ranks of its own")
+        seen[key] = process_set
+    for process_set in sets:
+        if process_set.process_set_id is not None and \
+                registered().get(process_set.process_set_id) == process_set.ranks:
+            continue  # init() again: already registered
+        add_process_set(process_set)

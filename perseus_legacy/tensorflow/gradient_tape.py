@@ -12,9 +12,9 @@ from typing import Any, Iterable
 
 import tensorflow as tf
 
-from perseus_legacy.basics import Average
-from perseus_legacy.compression import Compression
-from perseus_legacy.reduction import GradientReducer, resolve_groups
+from perseus_legacy.common.basics import Average
+from perseus_legacy.tensorflow.compression import Compression
+from perseus_legacy.tensorflow.reduction import GradientReducer, resolve_groups
 
 
 class _DistributedTape:
@@ -77,7 +77,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
     stay sparse unless `sparse_as_dense`. `groups` (or the deprecated `num_groups`) splits the
     reduction as in Horovod. `device_dense`/`device_sparse` are ignored: kernels run on the CPU.
     With `process_set`, gradients are reduced over its ranks only. `op=Adasum` combines the
-    gradients by Adasum (perseus_legacy.adasum).
+    gradients by Adasum (perseus_legacy.tensorflow.adasum).
     """
     if isinstance(gradtape, _DistributedTape):
         raise ValueError("this GradientTape is already distributed: wrap the plain tape once")

@@ -9,7 +9,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics
+from perseus_legacy.common import basics
 
 
 def session_config(config: tf.compat.v1.ConfigProto | None = None) -> tf.compat.v1.ConfigProto:

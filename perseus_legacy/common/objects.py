@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from perseus_legacy import basics
-from perseus_legacy.process_sets import ProcessSet, process_set_id
+from perseus_legacy.common import basics
+from perseus_legacy.common.process_sets import ProcessSet, process_set_id
 
 try:
     import cloudpickle as _pickler

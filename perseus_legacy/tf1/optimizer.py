@@ -14,11 +14,12 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from perseus_legacy import adasum, basics, ops
-from perseus_legacy.basics import Adasum, Average
-from perseus_legacy.compression import Compression
-from perseus_legacy.hooks import SyncReplicasHook
-from perseus_legacy.reduction import check_predivide, resolve_groups, scaled
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Adasum, Average
+from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tensorflow.compression import Compression
+from perseus_legacy.tensorflow.reduction import check_predivide, resolve_groups
+from perseus_legacy.tf1.hooks import SyncReplicasHook
 
 
 def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_dense: bool,
@@ -34,11 +35,11 @@ def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_d
     scales = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
     if isinstance(grad, tf.IndexedSlices):
         values, ctx = compression.compress(grad.values)
-        reduced = ops.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
+        reduced = collectives.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
                                 op=op, name=name, process_set=process_set, **scales)
         return tf.IndexedSlices(compression.decompress(reduced.values, ctx), reduced.indices,
                                 reduced.dense_shape)
-    return ops.allreduce(grad, op=op, name=name, compression=compression,
+    return collectives.allreduce(grad, op=op, name=name, compression=compression,
                          process_set=process_set, **scales)
 
 
@@ -183,9 +184,9 @@ class _AdasumDelta:
         if not variables:
             return tf.no_op()
         deltas = [v.read_value() - s for v, s in zip(variables, starts)]
-        combined = adasum.grouped_allreduce(deltas, self.compression, name=f"{self.name}_Adasum",
-                                            process_set=self.process_set,
-                                            what=f"{self.name} (op=Adasum)")
+        combined = collectives.adasum_grouped_allreduce(
+            deltas, self.compression, name=f"{self.name}_Adasum", process_set=self.process_set,
+            what=f"{self.name} (op=Adasum)")
         return tf.group(*[v.assign(s + c) for v, s, c in zip(variables, starts, combined)])
 
 
@@ -285,8 +286,9 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def _scale_local(self, grads_and_vars: list) -> list:
         if not (self._scale_local_gradients and self._local) or self._size() == 1:
             return grads_and_vars
-        return [(scaled(g, 1.0 / self._size()) if g is not None and v.ref() in self._local
-                 else g, v) for g, v in grads_and_vars]
+        return [(collectives.scaled(g, 1.0 / self._size())
+                 if g is not None and v.ref() in self._local else g, v)
+                for g, v in grads_and_vars]
 
     def _reduce(self, grads_and_vars: list) -> list:
         basics.require_initialized(f"{self._name}.compute_gradients()")

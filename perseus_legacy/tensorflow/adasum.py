@@ -5,7 +5,8 @@ when they are orthogonal, their mean when they are parallel; the coefficient of 
 zero stays 1. Ranks are combined in a binary tree (rank 0 with 1, 2 with 3, ..., then those
 results pairwise, ...), every tensor on its own, so the number of ranks must be a power of 2.
 
-Built on allgather, with no operation of its own in the native runtime: every rank receives
+Built on allgather (perseus_legacy.tensorflow.collectives gathers, this module combines), with
+no operation of its own in the native runtime: every rank receives
 every rank's tensor and computes the same tree, in the same order, with the same kernels (dot
 products accumulate in float64), so every rank gets bitwise the same result. Each rank receives
 size() x the tensor; Horovod's native Adasum halves the vector at every level and moves about 2x.
@@ -13,14 +14,12 @@ size() x the tensor; Horovod's native Adasum halves the vector at every level an
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.compression import Compression
-from perseus_legacy.process_sets import ProcessSet, process_set_id, set_size_and_rank
+from perseus_legacy.common import basics
 
 FLOAT_TYPES = (tf.float16, tf.float32, tf.float64)
 # A squared norm below this counts as zero (its coefficient stays 1), Horovod's threshold.
@@ -35,7 +34,7 @@ def check_rank_count(size: int, what: str) -> None:
             f"in pairs); rank {basics.rank()} is one of {size}")
 
 
-def _checked(tensor: Any, index: int, what: str) -> tf.Tensor:
+def checked(tensor: Any, index: int, what: str) -> tf.Tensor:
     if isinstance(tensor, tf.IndexedSlices):
         raise NotImplementedError(
             f"{what} with op=Adasum does not take tf.IndexedSlices (tensor {index}): convert it "
@@ -49,7 +48,7 @@ def _checked(tensor: Any, index: int, what: str) -> tf.Tensor:
 
 
 @tf.custom_gradient
-def _not_differentiable(*tensors: tf.Tensor) -> tuple:
+def not_differentiable(*tensors: tf.Tensor) -> tuple:
     def gradient(*_: Any) -> None:
         raise ValueError("perseus_legacy.allreduce with op=Adasum is not differentiable; only "
                          "Average and Sum have gradients")
@@ -79,57 +78,19 @@ def combine_tree(columns: tf.Tensor, segment_ids: tf.Tensor, size: int) -> tf.Te
     return columns[:, 0]
 
 
-def _combine_same_dtype(tensors: list, name: str | None, process_set: Any, size: int) -> list:
+def row_of(tensors: list) -> tuple:
+    """(every tensor flattened and concatenated into one row, the element count of each)."""
     flat = [tf.reshape(t, [-1]) for t in tensors]
     counts = [tf.size(f) for f in flat]
-    row = flat[0] if len(flat) == 1 else tf.concat(flat, 0)
-    gathered = ops.allgather(row[None, :], name=name, process_set=process_set)  # [size, elements]
-    segment_ids = tf.repeat(tf.range(len(flat)), tf.stack(counts))
+    return (flat[0] if len(flat) == 1 else tf.concat(flat, 0)), counts
+
+
+def combine_rows(gathered: tf.Tensor, tensors: list, counts: list, size: int) -> list:
+    """The tree over `gathered` [size, elements] (row r: rank r's row_of(tensors)), split back
+    into tensors shaped like `tensors`."""
+    segment_ids = tf.repeat(tf.range(len(tensors)), tf.stack(counts))
     combined = combine_tree(tf.transpose(gathered), segment_ids, size)
-    parts = [combined] if len(flat) == 1 else tf.split(combined, tf.stack(counts), num=len(flat))
+    parts = [combined] if len(tensors) == 1 else tf.split(combined, tf.stack(counts),
+                                                          num=len(tensors))
     return [tf.reshape(part, tf.shape(t)) for part, t in zip(parts, tensors)]
 
-
-def _scaled(tensor: tf.Tensor, factor: float) -> tf.Tensor:
-    return tensor if float(factor) == 1.0 else tensor * tf.cast(factor, tensor.dtype)
-
-
-@tf.autograph.experimental.do_not_convert
-def grouped_allreduce(tensors: Sequence[Any], compression: Any = Compression.none,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      name: str | None = None, process_set: ProcessSet | None = None,
-                      what: str = "grouped_allreduce") -> list:
-    """Every tensor combined over the ranks (or `process_set`'s) by Adasum, each on its own.
-
-    The result is `postscale_factor * Adasum(prescale_factor * tensor of every rank)`, computed
-    on the compressed tensors. Tensors of one dtype travel in one allgather. Float tensors only;
-    not differentiable.
-    """
-    basics.require_initialized(f"perseus_legacy.{what}()")
-    size, _ = set_size_and_rank(process_set_id(process_set, what))
-    check_rank_count(size, what)
-    tensors = [_checked(t, i, what) for i, t in enumerate(tensors)]
-    if not tensors:
-        return []
-    compressed = [compression.compress(t) for t in tensors]
-    values = _not_differentiable(*[_scaled(c, prescale_factor) for c, _ in compressed])
-    by_dtype: dict = {}
-    for i, value in enumerate(values):
-        by_dtype.setdefault(value.dtype, []).append(i)
-    results: list = [None] * len(values)
-    for dtype, indices in by_dtype.items():
-        group_name = name if name is None or len(by_dtype) == 1 else f"{name}.{dtype.name}"
-        combined = _combine_same_dtype([values[i] for i in indices], group_name, process_set,
-                                       size)
-        for i, result in zip(indices, combined):
-            results[i] = result
-    return [compression.decompress(_scaled(r, postscale_factor), ctx)
-            for r, (_, ctx) in zip(results, compressed)]
-
-
-def allreduce(tensor: Any, compression: Any = Compression.none, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, name: str | None = None,
-              process_set: ProcessSet | None = None) -> tf.Tensor:
-    """`tensor` combined over the ranks by Adasum; see grouped_allreduce()."""
-    return grouped_allreduce([tensor], compression, prescale_factor, postscale_factor, name,
-                             process_set, what="allreduce")[0]

@@ -7,12 +7,12 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics
-from perseus_legacy.basics import Average, Sum
-from perseus_legacy.compression import Compression
-from perseus_legacy.gradient_tape import local_layer_variables
-from perseus_legacy.keras._keras import LEGACY_OPTIMIZER_CLASSES, OPTIMIZER_CLASSES, keras
-from perseus_legacy.reduction import GradientReducer, resolve_groups
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Average, Sum
+from perseus_legacy.keras.keras2 import LEGACY_OPTIMIZER_CLASSES, OPTIMIZER_CLASSES, keras
+from perseus_legacy.tensorflow.compression import Compression
+from perseus_legacy.tensorflow.gradient_tape import local_layer_variables
+from perseus_legacy.tensorflow.reduction import GradientReducer, resolve_groups
 
 # Kept for code that imported it from here.
 KERAS_OPTIMIZERS = OPTIMIZER_CLASSES

@@ -7,9 +7,10 @@ from typing import Any, Iterable
 import numpy as np
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average
-from perseus_legacy.graph_rewrite import distribute_graph
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Average
+from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tf1.graph_rewrite import distribute_graph
 
 
 def _broadcast_name(var: Any) -> str:
@@ -28,10 +29,10 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool 
     variables = list(variables)
     if tf.executing_eagerly():
         for var in variables:
-            var.assign(ops.broadcast(var.read_value(), root_rank, process_set=process_set))
+            var.assign(collectives.broadcast(var.read_value(), root_rank, process_set=process_set))
         return None
-    assigns = [tf.compat.v1.assign(var, ops.broadcast(var, root_rank, name=_broadcast_name(var),
-                                                      process_set=process_set))
+    assigns = [tf.compat.v1.assign(var, collectives.broadcast(
+                   var, root_rank, name=_broadcast_name(var), process_set=process_set))
                for var in variables]
     return tf.group(*assigns, name="broadcast_variables")
 

@@ -22,7 +22,7 @@ are matched by it, in whatever order each rank submits them. How it is chosen:
   different sets may build the same collectives, each for its own set, at the same time.
 
 Every collective takes `process_set=` (default: every rank, `global_process_set`); see
-perseus_legacy.process_sets.
+perseus_legacy.common.process_sets.
 """
 
 from __future__ import annotations
@@ -39,10 +39,16 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from perseus_legacy import basics
-from perseus_legacy.basics import REDUCE_OP_NAMES, Adasum, Average, Sum
-from perseus_legacy.compression import Compression
-from perseus_legacy.process_sets import ProcessSet, process_set_id, registered, set_size_and_rank
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import REDUCE_OP_NAMES, Adasum, Average, Sum
+from perseus_legacy.common.process_sets import (
+    ProcessSet,
+    process_set_id,
+    registered,
+    set_size_and_rank,
+)
+from perseus_legacy.tensorflow import adasum
+from perseus_legacy.tensorflow.compression import Compression
 
 TensorLike = Any  # a tf.Tensor or anything tf.convert_to_tensor accepts
 
@@ -71,7 +77,8 @@ def _op_library_path() -> str:
     The library depends on TensorFlow's C++ ABI; setup.py builds `_tf_ops_tf<major>_<minor>`
     for another TensorFlow (PERSEUS_TF_PYTHON), next to the default `_tf_ops`.
     """
-    package_dir = os.path.dirname(os.path.abspath(__file__))
+    # The native libraries sit in the package root, one level above this module.
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     major, minor = tf.__version__.split(".")[:2]
     versioned = os.path.join(package_dir, f"_tf_ops_tf{major}_{minor}{suffix}")
@@ -223,16 +230,14 @@ def allreduce(tensor: TensorLike, average: bool | None = None, device_dense: str
     indices concatenated in rank order; for Average the values are divided by size(), integer
     values becoming floating point as in Horovod) and stays sparse; `compression` applies to
     dense tensors only. `op=Adasum` combines float tensors by adaptive summation
-    (perseus_legacy.adasum). `average=` is Horovod's deprecated spelling of `op`;
+    (perseus_legacy.tensorflow.adasum). `average=` is Horovod's deprecated spelling of `op`;
     `device_dense` and `device_sparse` are ignored (every kernel runs on the CPU).
     """
     basics.require_initialized("perseus_legacy.allreduce()")
     op = resolve_op(op, average, "allreduce")
     if op == Adasum:
-        from perseus_legacy import adasum  # built on allgather: imports this module
-
-        return adasum.allreduce(tensor, compression, prescale_factor, postscale_factor, name,
-                                process_set)
+        return adasum_grouped_allreduce([tensor], compression, prescale_factor,
+                                        postscale_factor, name, process_set, "allreduce")[0]
     set_id = process_set_id(process_set, "allreduce")
     if isinstance(tensor, tf.IndexedSlices):
         return _allreduce_one(tensor, op, name, prescale_factor, postscale_factor, "allreduce",
@@ -298,10 +303,8 @@ def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None
     basics.require_initialized("perseus_legacy.grouped_allreduce()")
     op = resolve_op(op, average, "grouped_allreduce")
     if op == Adasum:
-        from perseus_legacy import adasum
-
-        return adasum.grouped_allreduce(tensors, compression, prescale_factor, postscale_factor,
-                                        name, process_set)
+        return adasum_grouped_allreduce(tensors, compression, prescale_factor,
+                                        postscale_factor, name, process_set)
     set_id = process_set_id(process_set, "grouped_allreduce")
     tensors = list(tensors)
     contexts: dict = {}
@@ -348,6 +351,51 @@ def grouped_allgather(tensors: Sequence[TensorLike], name: str | None = None,
         return _allgather_function(tensors, name, set_id)
     return _allgather_list(tensors, name, set_id)
 
+
+
+def scaled(value: Any, factor: float) -> Any:
+    """`value` (a tensor or tf.IndexedSlices) times `factor`; `value` itself for a factor of 1."""
+    if float(factor) == 1.0:
+        return value
+    if isinstance(value, tf.IndexedSlices):
+        return tf.IndexedSlices(value.values * tf.cast(factor, value.values.dtype), value.indices,
+                                value.dense_shape)
+    return value * tf.cast(factor, value.dtype)
+
+
+@_not_autograph
+def adasum_grouped_allreduce(tensors: Sequence[TensorLike], compression: Any = Compression.none,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             name: str | None = None, process_set: ProcessSet | None = None,
+                             what: str = "grouped_allreduce") -> list:
+    """Every tensor combined over the ranks (or `process_set`'s) by Adasum, each on its own.
+
+    The result is `postscale_factor * Adasum(prescale_factor * tensor of every rank)`, computed
+    on the compressed tensors: every rank allgathers every rank's tensors (one allgather per
+    dtype) and combines them with perseus_legacy.tensorflow.adasum. Float tensors only, a
+    power-of-2 number of ranks; not differentiable. `what` names the caller in errors.
+    """
+    basics.require_initialized(f"perseus_legacy.{what}()")
+    size, _ = set_size_and_rank(process_set_id(process_set, what))
+    adasum.check_rank_count(size, what)
+    tensors = [adasum.checked(t, i, what) for i, t in enumerate(tensors)]
+    if not tensors:
+        return []
+    compressed = [compression.compress(t) for t in tensors]
+    values = adasum.not_differentiable(*[scaled(c, prescale_factor) for c, _ in compressed])
+    by_dtype: dict = {}
+    for i, value in enumerate(values):
+        by_dtype.setdefault(value.dtype, []).append(i)
+    results: list = [None] * len(values)
+    for dtype, indices in by_dtype.items():
+        group_name = name if name is None or len(by_dtype) == 1 else f"{name}.{dtype.name}"
+        group = [values[i] for i in indices]
+        row, counts = adasum.row_of(group)
+        gathered = allgather(row[None, :], name=group_name, process_set=process_set)
+        for i, result in zip(indices, adasum.combine_rows(gathered, group, counts, size)):
+            results[i] = result
+    return [compression.decompress(scaled(r, postscale_factor), ctx)
+            for r, (_, ctx) in zip(results, compressed)]
 
 def _broadcast(tensor: TensorLike, root_rank: int, name: str | None,
                set_id: int = 0) -> tf.Tensor:

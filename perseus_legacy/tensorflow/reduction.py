@@ -11,14 +11,15 @@ from typing import Any
 
 import tensorflow as tf
 
-from perseus_legacy import basics, ops
-from perseus_legacy.basics import Average
-from perseus_legacy.compression import Compression
+from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Average
+from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tensorflow.compression import Compression
 
 
 def check_predivide(gradient_predivide_factor: float, op: int) -> float:
     """The factor as a float; ValueError unless op is Average (Horovod's rule)."""
-    ops._check_op(op)
+    collectives._check_op(op)
     if float(gradient_predivide_factor) != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor needs op=Average, got "
                          f"op={basics.REDUCE_OP_NAMES[op]}")
@@ -46,8 +47,8 @@ class GradientReducer:
     (the gradients split in that many contiguous groups) or lists of variables (one reduction
     each; variables in no list alone). Gradients of variables given to `register_local` are not
     reduced; with `scale_local_gradients` they are divided by size(), as in Horovod.
-    `op=Adasum` combines the dense gradients by Adasum (perseus_legacy.adasum); sparse ones
-    need `sparse_as_dense`.
+    `op=Adasum` combines the dense gradients by Adasum (perseus_legacy.tensorflow.adasum);
+    sparse ones need `sparse_as_dense`.
     """
 
     def __init__(self, name: str, compression: Any = Compression.none,
@@ -90,7 +91,7 @@ class GradientReducer:
         if self.scale_local_gradients and size > 1:
             for i, (g, v) in enumerate(zip(grads, variables)):
                 if g is not None and v.ref() in self.local:
-                    grads[i] = scaled(g, 1.0 / size)
+                    grads[i] = collectives.scaled(g, 1.0 / size)
         return list(zip(grads, variables))
 
     def _split(self, indices: list, variables: list) -> list:
@@ -118,7 +119,7 @@ class GradientReducer:
         postscale = self.gradient_predivide_factor
         dense = [k for k, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
         results = list(grads)
-        reduced = ops.grouped_allreduce([grads[k] for k in dense], op=self.op, name=name,
+        reduced = collectives.grouped_allreduce([grads[k] for k in dense], op=self.op, name=name,
                                         compression=self.compression,
                                         prescale_factor=prescale, postscale_factor=postscale,
                                         process_set=self.process_set)
@@ -127,18 +128,11 @@ class GradientReducer:
         for k, grad in enumerate(grads):
             if isinstance(grad, tf.IndexedSlices):  # allgathered, stays sparse
                 values, ctx = self.compression.compress(grad.values)
-                result = ops.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
-                                       op=self.op, name=f"{name}.sparse.{k}",
-                                       prescale_factor=prescale, postscale_factor=postscale,
-                                       process_set=self.process_set)
+                result = collectives.allreduce(
+                    tf.IndexedSlices(values, grad.indices, grad.dense_shape), op=self.op,
+                    name=f"{name}.sparse.{k}", prescale_factor=prescale,
+                    postscale_factor=postscale, process_set=self.process_set)
                 results[k] = tf.IndexedSlices(self.compression.decompress(result.values, ctx),
                                               result.indices, result.dense_shape)
         return results
 
-
-def scaled(grad: Any, factor: float) -> Any:
-    """`grad` (a tensor or tf.IndexedSlices) times `factor`."""
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(grad.values * tf.cast(factor, grad.values.dtype), grad.indices,
-                                grad.dense_shape)
-    return grad * tf.cast(factor, grad.dtype)

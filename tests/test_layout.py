@@ -1,0 +1,103 @@
+"""The package's layout: no import cycle between perseus_legacy modules, and perseus_legacy/common
+free of TensorFlow and Keras (static: the imports are read with ast, nothing is imported)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "perseus_legacy"
+# Frameworks that perseus_legacy/common must not import, even inside a function.
+FRAMEWORKS = ("tensorflow", "keras", "tf_keras", "tensorflow_estimator")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imported_names(path: Path, name: str) -> list[tuple[str, int]]:
+    """(module, line) of every import in the file, at module level or inside a function: a
+    lazy import is still a dependency. `from pkg import sub` names pkg.sub when sub is a
+    module, else pkg."""
+    known = modules()
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                package = name.split(".") if is_package else name.split(".")[:-1]
+                package = package[:len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full if full in known else base, node.lineno))
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: {target for target, _ in imported_names(path, name)
+                   if target in known and target != name}
+            for name, path in known.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_find_cycle_reports_a_cycle_and_accepts_a_tree():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle_between_perseus_legacy_modules():
+    graph = import_graph()
+    assert "perseus_legacy.tensorflow.collectives" in graph  # the graph covers the tree
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_common_imports_no_framework():
+    offending = []
+    for name, path in modules().items():
+        if not name.startswith("perseus_legacy.common"):
+            continue
+        for target, line in imported_names(path, name):
+            if target.split(".")[0] in FRAMEWORKS:
+                offending.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not offending, "perseus_legacy/common must stay framework-free:\n" + "\n".join(
+        offending)
+    assert "perseus_legacy.common.basics" in modules()
