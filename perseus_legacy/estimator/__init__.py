@@ -39,7 +39,7 @@ def run_config(evaluator_timeout_secs: float | None = None, **kwargs: Any) -> An
     _require_estimator()
     from perseus_legacy.estimator import _run_config, _training
 
-    _training.install()
+    _tf_compat.wrap_estimator(_training.WRAPPERS)
     return _run_config.distributed_run_config(evaluator_timeout_secs, **kwargs)
 
 

@@ -1,8 +1,9 @@
 """Synchronous data-parallel tf.estimator training on every rank, from the RunConfig alone.
 
 An Estimator given a `DistributedRunConfig` trains like a single process on the global batch:
-this module wraps five Estimator internals once (the wrappers change nothing for any other
-RunConfig), because a RunConfig has no say in the hooks of a training run:
+this module holds the wrappers of five Estimator internals (perseus_legacy.tf_compat wraps them
+once, at the first run_config(); they change nothing for any other RunConfig), because a
+RunConfig has no say in the hooks of a training run:
 
 - `Estimator.train`: before anything else, the ranks check that they were all given the same
   steps and max_steps, then every rank takes the global step of rank 0's latest checkpoint, so
@@ -23,7 +24,6 @@ RunConfig), because a RunConfig has no say in the hooks of a training run:
 
 from __future__ import annotations
 
-import functools
 import importlib
 import time
 from typing import Any, Callable
@@ -46,7 +46,6 @@ _BATCH_SIZE = "perseus_legacy_batch_size"  # graph collection: this rank's train
 _GATE = ChiefGate("perseus.estimator")
 
 _estimator_lib = importlib.import_module(estimator_api.PACKAGE + ".estimator")
-_training_lib = importlib.import_module(estimator_api.PACKAGE + ".training")
 
 
 def _is_distributed(estimator: Any) -> bool:
@@ -253,28 +252,13 @@ def _evaluate_and_export(original: Callable, self: Any) -> Any:
     return original(self)
 
 
-_WRAPPED = (
-    (_estimator_lib.Estimator, "train", _train),
-    (_estimator_lib.Estimator, "_train_with_estimator_spec", _train_with_estimator_spec),
-    (_estimator_lib.Estimator, "_call_model_fn", _call_model_fn),
-    (_training_lib._TrainingExecutor, "run_local", _run_local),
-    (_training_lib._TrainingExecutor._Evaluator, "evaluate_and_export", _evaluate_and_export),
-)
-
-
-def install() -> None:
-    """Wraps the Estimator internals above, once; they act only for a DistributedRunConfig."""
-    for owner, name, wrapper in _WRAPPED:
-        original = getattr(owner, name)
-        if getattr(original, "_perseus_original", None) is not None:
-            continue
-        setattr(owner, name, _wrap(original, wrapper))
-
-
-def _wrap(original: Callable, wrapper: Callable) -> Callable:
-    @functools.wraps(original)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        return wrapper(original, *args, **kwargs)
-
-    wrapped._perseus_original = original
-    return wrapped
+# The methods run_config() wraps, by their name in perseus_legacy.tf_compat.CHANGES (which makes
+# the change): each wrapper is called as wrapper(original, *args, **kwargs).
+WRAPPERS = {
+    "tensorflow_estimator Estimator.train": _train,
+    "tensorflow_estimator Estimator._train_with_estimator_spec": _train_with_estimator_spec,
+    "tensorflow_estimator Estimator._call_model_fn": _call_model_fn,
+    "tensorflow_estimator _TrainingExecutor.run_local": _run_local,
+    "tensorflow_estimator _TrainingExecutor._Evaluator.evaluate_and_export":
+        _evaluate_and_export,
+}

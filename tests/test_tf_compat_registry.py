@@ -1,0 +1,60 @@
+"""perseus_legacy.tf_compat.CHANGES is the one list of changes made to TensorFlow and
+tensorflow-estimator: compat_report() shows each, docs/tf-compat.md names each, and the
+distributed Estimator's wrappers are exactly its run_config() entries (in-process, no ranks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import perseus_legacy  # noqa: F401, I001 (first: it selects tf-keras)
+from perseus_legacy import tf_compat
+from perseus_legacy.estimator import _training
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "tf-compat.md"
+
+
+def test_every_change_names_what_made_it_necessary_and_when():
+    targets = [c.target for c in tf_compat.CHANGES]
+    assert len(targets) == len(set(targets)), targets
+    for change in tf_compat.CHANGES:
+        assert change.necessary_since.strip(), change
+        assert change.when in (tf_compat.AT_IMPORT, tf_compat.BEFORE_TF_IMPORT,
+                               tf_compat.AT_RUN_CONFIG), change
+        assert (change.make is not None) == (change.when == tf_compat.AT_IMPORT), change
+
+
+def test_compat_report_shows_every_change():
+    report = tf_compat.compat_report()
+    missing = [c.target for c in tf_compat.CHANGES if c.target not in report]
+    assert not missing, f"compat_report() leaves out {missing}: {report}"
+    changes = tf_compat.compat_changes()
+    assert [c["change"] for c in changes] == [c.target for c in tf_compat.CHANGES]
+
+
+def test_the_estimator_wrappers_are_the_listed_run_config_changes():
+    listed = {c.target for c in tf_compat.CHANGES if c.when == tf_compat.AT_RUN_CONFIG}
+    assert set(_training.WRAPPERS) == listed
+    with pytest.raises(ValueError, match="differ from the listed changes"):
+        tf_compat.wrap_estimator({**_training.WRAPPERS, "tensorflow_estimator X.y": print})
+
+
+def test_run_config_wraps_the_methods_and_the_report_says_so():
+    report = tf_compat.compat_report()
+    tf_compat.wrap_estimator(_training.WRAPPERS)
+    after = tf_compat.compat_report()
+    for target in _training.WRAPPERS:
+        assert after[target] == "wrapped by perseus_legacy", (report, after)
+
+
+def test_docs_name_every_change():
+    text = DOC.read_text()
+    for change in tf_compat.CHANGES:
+        if change.target == "legacy keras":
+            assert "TF_USE_LEGACY_KERAS=1" in text
+            continue
+        # Report keys are dotted paths or "tensorflow_estimator Class.method": the docs name
+        # their last part.
+        short = change.target.split(" ")[-1].split(".")[-1]
+        assert short in text, f"docs/tf-compat.md does not name {change.target}"
