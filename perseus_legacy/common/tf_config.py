@@ -14,7 +14,7 @@ import functools
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
 
@@ -32,10 +32,14 @@ class TFConfigError(ValueError):
 
 @dataclass(frozen=True)
 class Cluster:
-    """This process's place in the job; `rank` is None for a task that is not a rank."""
+    """This process's place in the job; `rank` is None for a task that is not a rank.
+
+    The one description of a process: what TF_CONFIG or `perseusrun --tcp` says, and, for the
+    distributed Estimator under MPI, the process group's rank and size (no addresses).
+    """
 
     rank: int | None
-    addresses: tuple[str, ...]  # host:port of every rank, in rank order
+    addresses: tuple[str, ...]  # host:port of every rank, in rank order (empty under MPI)
     task_type: str | None = None
     task_index: int | None = None
     local_rank: int | None = None
@@ -43,16 +47,21 @@ class Cluster:
     cross_rank: int | None = None
     cross_size: int | None = None
     has_evaluator: bool = False  # TF_CONFIG names an evaluator task: rank 0 does not evaluate
+    size: int = field(default=-1)  # number of ranks; -1: len(addresses)
 
-    @property
-    def size(self) -> int:
-        """Number of ranks."""
-        return len(self.addresses)
+    def __post_init__(self) -> None:
+        if self.size < 0:
+            object.__setattr__(self, "size", len(self.addresses))
 
     @property
     def is_rank(self) -> bool:
         """Whether this process takes part in the collectives (the evaluator does not)."""
         return self.rank is not None
+
+    @property
+    def is_chief(self) -> bool:
+        """Rank 0: writes checkpoints and summaries, evaluates (without an evaluator), logs."""
+        return self.rank == 0
 
 
 def _excerpt(value: object, limit: int = 200) -> str:

@@ -18,12 +18,6 @@ from perseus_legacy.tensorflow import collectives
 from perseus_legacy.tf1 import hooks
 
 
-def optimizer_variables(optimizer: Any) -> list:
-    """A Keras optimizer's variables (a method on legacy optimizers, a property on new ones)."""
-    variables = optimizer.variables
-    return list(variables() if callable(variables) else variables)
-
-
 class TensorFlowState(ObjectState):
     """`variables` (default: the graph's global variables) and the keyword arguments as values.
 
@@ -115,6 +109,8 @@ class TensorFlowKerasState(ObjectState):
         super().__init__(**kwargs)
 
     def _variables(self) -> list:
+        from perseus_legacy.keras.optimizer import optimizer_variables
+
         optimizer = optimizer_variables(self.optimizer) if self.optimizer is not None else []
         return list(self.model.variables) + optimizer
 

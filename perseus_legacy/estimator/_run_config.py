@@ -9,7 +9,6 @@ read the one Cluster that perseus_legacy.common.tf_config parsed from TF_CONFIG.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import importlib
 import logging
 import os
@@ -30,34 +29,17 @@ DEFAULT_EVALUATOR_TIMEOUT_SECS = 1800.0
 _run_config_lib = importlib.import_module(estimator_api.PACKAGE + ".run_config")
 
 
-@dataclasses.dataclass(frozen=True)
-class ClusterRole:
-    """This process's place in distributed Estimator training."""
-
-    rank: int | None  # None: the TF_CONFIG evaluator, no rank of the training group
-    size: int
-    has_evaluator: bool = False  # TF_CONFIG names an evaluator task: rank 0 does not evaluate
-
-    @property
-    def evaluator(self) -> bool:
-        """Whether this process is the TF_CONFIG evaluator task."""
-        return self.rank is None
-
-    @property
-    def is_chief(self) -> bool:
-        """Rank 0: writes checkpoints and summaries, evaluates (without an evaluator), logs."""
-        return self.rank == 0
-
-
-def cluster_role() -> ClusterRole:
-    """Which training rank this process is (initialising perseus_legacy when needed)."""
+def cluster_role() -> tf_config.Cluster:
+    """This process's place in distributed Estimator training (initialising perseus_legacy when
+    needed): the TF_CONFIG evaluator's Cluster (no rank), else this rank of the group."""
     cluster = tf_config.current_cluster()
     if cluster is not None and not cluster.is_rank:
-        return ClusterRole(None, cluster.size, has_evaluator=True)
+        return cluster
     if not basics.is_initialized():
         basics.init()
-    return ClusterRole(basics.rank(), basics.size(),
-                       has_evaluator=cluster is not None and cluster.has_evaluator)
+    return tf_config.Cluster(basics.rank(), cluster.addresses if cluster is not None else (),
+                             size=basics.size(),
+                             has_evaluator=cluster is not None and cluster.has_evaluator)
 
 
 class DistributedRunConfig(_run_config_lib.RunConfig):
@@ -121,9 +103,9 @@ def distributed_run_config(evaluator_timeout_secs: float | None,
     """perseus_legacy.run_config()'s RunConfig (see its docstring)."""
     timeout = _evaluator_timeout(evaluator_timeout_secs)
     role = cluster_role()
-    if not role.evaluator:
+    if role.is_rank:
         kwargs["session_config"] = config.session_config(kwargs.get("session_config"))
-    if not role.is_chief and not role.evaluator:
+    if not role.is_chief and role.is_rank:
         log_all = os.environ.get(LOG_ALL_RANKS_ENV, "0") not in ("", "0")
         kwargs.update(model_dir=_private_model_dir(role.rank), save_checkpoints_steps=None,
                       save_checkpoints_secs=None, save_summary_steps=0)

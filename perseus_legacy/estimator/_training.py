@@ -159,7 +159,7 @@ def _agree_on_steps(steps: Any, max_steps: Any) -> None:
 def _train(original: Callable, self: Any, input_fn: Any, hooks: Any = None, steps: Any = None,
            max_steps: Any = None, saving_listeners: Any = None) -> Any:
     role = cluster_role() if _is_distributed(self) else None
-    if role is not None and not role.evaluator:  # tf.estimator refuses the evaluator's train()
+    if role is not None and role.is_rank:  # tf.estimator refuses the evaluator's train()
         _agree_on_steps(steps, max_steps)
         chief_step, _ = _GATE.sync(_checkpoint_step(self.model_dir) if role.is_chief else 0)
         if max_steps is not None and 0 < max_steps <= chief_step:

@@ -15,8 +15,8 @@ import tensorflow as tf
 
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average
-from perseus_legacy.keras.keras2 import LEGACY_OPTIMIZER_CLASSES, keras
-from perseus_legacy.keras.optimizer import build_optimizer
+from perseus_legacy.keras.keras2 import keras
+from perseus_legacy.keras.optimizer import build_optimizer, optimizer_variables
 from perseus_legacy.tensorflow import collectives
 
 __all__ = ["BackupAndRestore", "BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
@@ -37,9 +37,7 @@ def _optimizer_variables(optimizer: Any, model: Any) -> list:
     if optimizer is None or not model.built or not model.trainable_variables:
         return []  # an unbuilt model's optimizer is built by the first step
     build_optimizer(optimizer, model.trainable_variables)
-    if isinstance(optimizer, LEGACY_OPTIMIZER_CLASSES):
-        return list(optimizer.variables())
-    return list(optimizer.variables)
+    return optimizer_variables(optimizer)
 
 
 def broadcast_variables(variables: list, root_rank: int) -> None:
@@ -47,11 +45,8 @@ def broadcast_variables(variables: list, root_rank: int) -> None:
     basics.require_initialized("perseus_legacy.keras.broadcast_variables()")
     _require_eager("perseus_legacy.keras.broadcast_variables()")
     unique = list({id(v): v for v in variables}.values())
-    if unique:
-        for var, value in zip(unique, collectives.broadcast_function(
-                [v.value() for v in unique], basics.check_root(root_rank, "broadcast_variables"),
-                None)):
-            var.assign(value)
+    collectives.assign_from_root(unique, basics.check_root(root_rank, "broadcast_variables"),
+                                 [None] * len(unique))
 
 
 def broadcast_model(model: Any, root_rank: int = 0, local_variables: Any = ()) -> None:

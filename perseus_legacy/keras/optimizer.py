@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import tensorflow as tf
 
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average, Sum
 from perseus_legacy.keras.keras2 import LEGACY_OPTIMIZER_CLASSES, OPTIMIZER_CLASSES, keras
+from perseus_legacy.tensorflow.accumulation import GradientAccumulator
 from perseus_legacy.tensorflow.compression import Compression
 from perseus_legacy.tensorflow.gradient_tape import local_layer_variables
 from perseus_legacy.tensorflow.reduction import GradientReducer, resolve_groups
-
-# Kept for code that imported it from here.
-KERAS_OPTIMIZERS = OPTIMIZER_CLASSES
 
 
 def build_optimizer(optimizer: Any, variables: list) -> None:
@@ -27,38 +25,25 @@ def build_optimizer(optimizer: Any, variables: list) -> None:
             optimizer.build(variables)
 
 
-class _Accumulation:
-    """This rank's sums of gradients over backward passes (a plain object: not checkpointed).
+def optimizer_variables(optimizer: Any) -> list:
+    """A Keras optimizer's variables (a method on legacy optimizers, a property on new ones)."""
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
 
-    Sparse gradients are summed densely.
-    """
+
+class _Accumulation:
+    """backward_passes_per_step > 1: the sums (summed densely) and how they are averaged."""
 
     def __init__(self, passes: int, average: bool) -> None:
         self.passes = passes
         self.scale = 1.0 / passes if average else 1.0
-        self.sums: dict = {}
-        self.count = None
+        self.sums = GradientAccumulator(_untracked_variable, keep_sparse=False)
 
-    def add(self, grads_and_vars: list) -> tuple:
-        """Adds the pass's gradients; returns ([(sum, variable)], passes summed so far)."""
-        with tf.init_scope():
-            if self.count is None:
-                self.count = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                         name="perseus_passes")
-            for _, var in grads_and_vars:
-                if var.ref() not in self.sums:
-                    self.sums[var.ref()] = tf.Variable(
-                        tf.zeros(var.shape, var.dtype.base_dtype), trainable=False,
-                        name="perseus_gradient_sum")
-        totals = [(self.sums[v.ref()].assign_add(tf.convert_to_tensor(g)), v)
-                  for g, v in grads_and_vars]
-        return totals, self.count.assign_add(1)
 
-    def clear(self) -> None:
-        """Zeroes the sums and the pass count."""
-        for total in self.sums.values():
-            total.assign(tf.zeros_like(total))
-        self.count.assign(0)
+def _untracked_variable(initial: Callable[[], tf.Tensor], name: str) -> tf.Variable:
+    # Created outside any tf.function, held by a plain object: no checkpoint tracks it.
+    with tf.init_scope():
+        return tf.Variable(initial, trainable=False, name=f"perseus_gradient_sum_{name}")
 
 
 class DistributedOptimizerMixin:
@@ -86,13 +71,12 @@ class DistributedOptimizerMixin:
         if accumulation is None:
             return apply(self._perseus_reducer.reduce(pairs), *args, **kwargs)
         build_optimizer(self, [v for _, v in pairs])
-        totals, count = accumulation.add(pairs)
+        count = accumulation.sums.add(pairs)
 
         def reduce_and_apply() -> Any:
-            scale = accumulation.scale
-            scaled = [(t * tf.cast(scale, t.dtype) if scale != 1.0 else t, v) for t, v in totals]
-            apply(self._perseus_reducer.reduce(scaled), *args, **kwargs)
-            accumulation.clear()
+            totals = accumulation.sums.totals(accumulation.scale)
+            apply(self._perseus_reducer.reduce(totals), *args, **kwargs)
+            accumulation.sums.clear()
             return tf.identity(self.iterations)
 
         def count_pass() -> Any:

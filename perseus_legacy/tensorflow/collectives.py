@@ -424,6 +424,29 @@ def _broadcast_list(values: list, root_rank: int, name: str | None, set_id: int 
 broadcast_function = _one_function(_broadcast_list)
 
 
+def assign_from_root(variables: Sequence[Any], root_rank: int, names: Sequence[str | None],
+                     set_id: int = 0, eager_name: str | None = None) -> list:
+    """Assigns `root_rank`'s value of every variable to it: the one variable broadcast behind
+    broadcast_(), broadcast_variables() and the Keras broadcasts.
+
+    Eagerly it is done now, in one fused round (collectives named `<eager_name>_<i>`), and
+    returns []. In a graph (or a tf.function) it returns the assignments, each variable
+    broadcast by a collective named `names[i]` (None: a default name). `root_rank` must have
+    been checked (basics.check_root).
+    """
+    variables = list(variables)
+    if not variables:
+        return []
+    if tf.executing_eagerly():
+        values = broadcast_function([v.read_value() for v in variables], root_rank, eager_name,
+                                    set_id)
+        for var, value in zip(variables, values):
+            var.assign(value)
+        return []
+    return [var.assign(_broadcast(var.read_value(), root_rank, name, set_id))
+            for var, name in zip(variables, names)]
+
+
 @_not_autograph
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet | None = None) -> list:
@@ -436,15 +459,8 @@ def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None
     set_id = process_set_id(process_set, "broadcast_")
     root_rank = basics.check_root(root_rank, "broadcast_", set_id)
     variables = list(variables)
-    if not variables:
-        return []
-    if tf.executing_eagerly():
-        for var, value in zip(variables, broadcast_function(
-                [v.read_value() for v in variables], root_rank, name, set_id)):
-            var.assign(value)
-        return [var.read_value() for var in variables]
-    values = _broadcast_list([v.read_value() for v in variables], root_rank, name, set_id)
-    assigns = [var.assign(value) for var, value in zip(variables, values)]
+    names = [f"{name or 'broadcast'}_{i}" for i in range(len(variables))]
+    assigns = assign_from_root(variables, root_rank, names, set_id, eager_name=name)
     with tf.control_dependencies(assigns):
         return [var.read_value() for var in variables]
 

@@ -48,14 +48,18 @@ class GradientReducer:
     each; variables in no list alone). Gradients of variables given to `register_local` are not
     reduced; with `scale_local_gradients` they are divided by size(), as in Horovod.
     `op=Adasum` combines the dense gradients by Adasum (perseus_legacy.tensorflow.adasum);
-    sparse ones need `sparse_as_dense`.
+    sparse ones need `sparse_as_dense`. With `one_per_variable` (the TF1 DistributedOptimizer),
+    `groups` is ignored and each gradient is reduced by a collective of its own, named after
+    its variable, so ranks agree on the names whatever order they build the gradients in.
     """
 
     def __init__(self, name: str, compression: Any = Compression.none,
                  sparse_as_dense: bool = False, op: int = Average,
                  gradient_predivide_factor: float = 1.0, groups: Any = None,
-                 scale_local_gradients: bool = True, process_set: Any = None) -> None:
+                 scale_local_gradients: bool = True, process_set: Any = None,
+                 one_per_variable: bool = False) -> None:
         self.name = name
+        self.one_per_variable = one_per_variable
         self.compression = compression
         self.sparse_as_dense = sparse_as_dense
         self.op = op
@@ -78,21 +82,34 @@ class GradientReducer:
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                      for g in grads]
-        size = basics.size() if self.process_set is None else self.process_set.size()
+        size = self._size()
         shared = [i for i, (g, v) in enumerate(zip(grads, variables))
                   if g is not None and v.ref() not in self.local]
-        if size > 1 or self.op != Average or self.gradient_predivide_factor != 1.0:
+        if self.one_per_variable and (size > 1 or self.op != Average
+                                      or self.gradient_predivide_factor != 1.0):
+            with tf.name_scope(self.name + "_Allreduce"):
+                for i in shared:
+                    grads[i] = self._reduce_one(grads[i], variables[i])
+        elif size > 1 or self.op != Average or self.gradient_predivide_factor != 1.0:
             with tf.name_scope(self.name):
                 for k, group in enumerate(self._split(shared, variables)):
                     name = self.name if k == 0 else f"{self.name}.group{k}"
                     for i, result in zip(group, self._reduce_group([grads[i] for i in group],
                                                                    name)):
                         grads[i] = result
-        if self.scale_local_gradients and size > 1:
-            for i, (g, v) in enumerate(zip(grads, variables)):
-                if g is not None and v.ref() in self.local:
-                    grads[i] = collectives.scaled(g, 1.0 / size)
-        return list(zip(grads, variables))
+        return self.scale_local(list(zip(grads, variables)))
+
+    def _size(self) -> int:
+        return basics.size() if self.process_set is None else self.process_set.size()
+
+    def scale_local(self, grads_and_vars: list) -> list:
+        """The pairs, gradients of local variables divided by size() (with
+        scale_local_gradients and more than one rank)."""
+        if not (self.scale_local_gradients and self.local) or self._size() == 1:
+            return grads_and_vars
+        size = self._size()
+        return [(collectives.scaled(g, 1.0 / size) if g is not None and v.ref() in self.local
+                 else g, v) for g, v in grads_and_vars]
 
     def _split(self, indices: list, variables: list) -> list:
         if not indices:
@@ -126,13 +143,29 @@ class GradientReducer:
         for k, result in zip(dense, reduced):
             results[k] = result
         for k, grad in enumerate(grads):
-            if isinstance(grad, tf.IndexedSlices):  # allgathered, stays sparse
-                values, ctx = self.compression.compress(grad.values)
-                result = collectives.allreduce(
-                    tf.IndexedSlices(values, grad.indices, grad.dense_shape), op=self.op,
-                    name=f"{name}.sparse.{k}", prescale_factor=prescale,
-                    postscale_factor=postscale, process_set=self.process_set)
-                results[k] = tf.IndexedSlices(self.compression.decompress(result.values, ctx),
-                                              result.indices, result.dense_shape)
+            if isinstance(grad, tf.IndexedSlices):
+                results[k] = self._reduce_sparse(grad, f"{name}.sparse.{k}")
         return results
+
+    def _scales(self) -> dict:
+        # Average divides by size() itself; predivision splits that division around the sum.
+        return {"prescale_factor": 1.0 / self.gradient_predivide_factor,
+                "postscale_factor": self.gradient_predivide_factor}
+
+    def _reduce_sparse(self, grad: tf.IndexedSlices, name: str) -> tf.IndexedSlices:
+        """Allgathered values and indices (compressed values): the result stays sparse."""
+        values, ctx = self.compression.compress(grad.values)
+        result = collectives.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
+                                       op=self.op, name=name, process_set=self.process_set,
+                                       **self._scales())
+        return tf.IndexedSlices(self.compression.decompress(result.values, ctx), result.indices,
+                                result.dense_shape)
+
+    def _reduce_one(self, grad: Any, var: Any) -> Any:
+        var_name = var.name if tf.executing_eagerly() else var.op.name
+        name = f"{self.name}_Allreduce_{var_name.split(':')[0]}"
+        if isinstance(grad, tf.IndexedSlices):
+            return self._reduce_sparse(grad, name)
+        return collectives.allreduce(grad, op=self.op, name=name, compression=self.compression,
+                                     process_set=self.process_set, **self._scales())
 

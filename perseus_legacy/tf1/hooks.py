@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average
+from perseus_legacy.common.process_sets import process_set_id
 from perseus_legacy.tensorflow import collectives
 from perseus_legacy.tf1.graph_rewrite import distribute_graph
 
@@ -26,14 +27,13 @@ def broadcast_variables(variables: Iterable[Any], root_rank: int, inplace: bool 
     does it now and returns None. `inplace` (Horovod's) is accepted: assignments are in place.
     """
     basics.require_initialized("broadcast_variables()")
+    set_id = process_set_id(process_set, "broadcast_variables")
+    root_rank = basics.check_root(root_rank, "broadcast_variables", set_id)
     variables = list(variables)
+    assigns = collectives.assign_from_root(variables, root_rank,
+                                           [_broadcast_name(v) for v in variables], set_id)
     if tf.executing_eagerly():
-        for var in variables:
-            var.assign(collectives.broadcast(var.read_value(), root_rank, process_set=process_set))
         return None
-    assigns = [tf.compat.v1.assign(var, collectives.broadcast(
-                   var, root_rank, name=_broadcast_name(var), process_set=process_set))
-               for var in variables]
     return tf.group(*assigns, name="broadcast_variables")
 
 

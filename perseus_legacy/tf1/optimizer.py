@@ -17,73 +17,10 @@ import tensorflow as tf
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Adasum, Average
 from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tensorflow.accumulation import GradientAccumulator
 from perseus_legacy.tensorflow.compression import Compression
-from perseus_legacy.tensorflow.reduction import check_predivide, resolve_groups
+from perseus_legacy.tensorflow.reduction import GradientReducer, resolve_groups
 from perseus_legacy.tf1.hooks import SyncReplicasHook
-
-
-def _reduce_gradient(grad: Any, var: Any, op: int, compression: Any, sparse_as_dense: bool,
-                     prefix: str, predivide: float = 1.0, process_set: Any = None) -> Any:
-    if grad is None:
-        return None
-    # Named after the variable: ranks agree on the name whatever order they build gradients in.
-    var_name = var.name if tf.executing_eagerly() else var.op.name
-    name = f"{prefix}_Allreduce_{var_name.split(':')[0]}"
-    if isinstance(grad, tf.IndexedSlices) and sparse_as_dense:
-        grad = tf.convert_to_tensor(grad)
-    # Average divides by size() itself; predivision splits that division around the sum.
-    scales = {"prescale_factor": 1.0 / predivide, "postscale_factor": predivide}
-    if isinstance(grad, tf.IndexedSlices):
-        values, ctx = compression.compress(grad.values)
-        reduced = collectives.allreduce(tf.IndexedSlices(values, grad.indices, grad.dense_shape),
-                                op=op, name=name, process_set=process_set, **scales)
-        return tf.IndexedSlices(compression.decompress(reduced.values, ctx), reduced.indices,
-                                reduced.dense_shape)
-    return collectives.allreduce(grad, op=op, name=name, compression=compression,
-                         process_set=process_set, **scales)
-
-
-class _Accumulator:
-    """Local sum of one variable's gradients over backward passes.
-
-    A sparse gradient (tf.IndexedSlices) is summed into a dense buffer and the rows it touched
-    are remembered, so the total stays sparse: optimizers with lazy sparse updates (Momentum,
-    Adam) then update exactly the rows a single step on all the passes' data would.
-    """
-
-    def __init__(self, grad: Any, var: Any, local: list) -> None:
-        self.var = var
-        self.sparse = isinstance(grad, tf.IndexedSlices)
-        name = var.op.name.replace("/", "_")
-        self.total = tf.compat.v1.Variable(tf.zeros(var.shape, var.dtype.base_dtype),
-                                           trainable=False, name=name, collections=local,
-                                           use_resource=True)
-        self.touched = None
-        if self.sparse:
-            self.touched = tf.compat.v1.Variable(tf.zeros(var.shape[:1], tf.int32),
-                                                 trainable=False, name=name + "_rows",
-                                                 collections=local, use_resource=True)
-
-    def add(self, grad: Any) -> Any:
-        if not self.sparse:
-            return self.total.assign_add(tf.convert_to_tensor(grad))
-        ones = tf.ones_like(grad.indices, tf.int32)
-        return tf.group(self.total.scatter_add(grad),
-                        self.touched.scatter_update(tf.IndexedSlices(ones, grad.indices)))
-
-    def read(self, scale: float) -> Any:
-        scale = tf.cast(scale, self.total.dtype)
-        if not self.sparse:
-            return self.total.read_value() * scale
-        rows = tf.cast(tf.reshape(tf.where(self.touched.read_value() > 0), [-1]), tf.int32)
-        return tf.IndexedSlices(tf.gather(self.total.read_value(), rows) * scale, rows,
-                                tf.shape(self.total, out_type=tf.int64))
-
-    def clear(self) -> list:
-        cleared = [self.total.assign(tf.zeros_like(self.total))]
-        if self.sparse:
-            cleared.append(self.touched.assign(tf.zeros_like(self.touched)))
-        return cleared
 
 
 def _accumulate_then_apply(grads_and_vars: list, passes: int, scale: float,
@@ -99,24 +36,25 @@ def _accumulate_then_apply(grads_and_vars: list, passes: int, scale: float,
             f"{name}: accumulating gradients over several backward passes needs a graph "
             "(tf.compat.v1 Session, MonitoredTrainingSession, Estimator); eagerly, use one pass "
             "per step")
-    pairs = [(g, v) for g, v in grads_and_vars if g is not None]
     local = [tf.compat.v1.GraphKeys.LOCAL_VARIABLES]
-    with tf.compat.v1.name_scope(None), tf.compat.v1.name_scope(f"{name}_accumulation"):
-        counter = tf.compat.v1.Variable(0, dtype=tf.int32, trainable=False, name="passes",
-                                        collections=local, use_resource=True)
-        accumulators = [_Accumulator(g, v, local) for g, v in pairs]
-    added = [acc.add(g) for acc, (g, _) in zip(accumulators, pairs)]
-    with tf.control_dependencies(added):
-        count = counter.assign_add(1)
+    with tf.compat.v1.name_scope(None), tf.compat.v1.name_scope(f"{name}_accumulation") as scope:
+        pass
+
+    def make_local(initial: Callable[[], tf.Tensor], variable_name: str) -> Any:
+        with tf.compat.v1.name_scope(scope):
+            return tf.compat.v1.Variable(initial, trainable=False, name=variable_name,
+                                         collections=local, use_resource=True)
+
+    accumulator = GradientAccumulator(make_local, keep_sparse=True)
+    count = accumulator.add(grads_and_vars)
 
     def apply_now() -> Any:
-        totals = [(acc.read(scale), acc.var) for acc in accumulators]
+        totals = accumulator.totals(scale)
         reads = [t.values if isinstance(t, tf.IndexedSlices) else t for t, _ in totals]
         with tf.control_dependencies(reads):
             applied = reduce_and_apply(totals)
         with tf.control_dependencies([applied]):
-            cleared = [c for acc in accumulators for c in acc.clear()]
-            return tf.group(*cleared, counter.assign(0))
+            return accumulator.clear()
 
     return tf.cond(count >= passes, apply_now, tf.no_op, name=f"{name}_apply_every_{passes}")
 
@@ -257,20 +195,17 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         if op == Adasum and average_aggregated_gradients:
             raise ValueError("op=Adasum does not take average_aggregated_gradients=True (as in "
                              "Horovod): it combines the variables' changes, not gradients")
-        self._predivide = check_predivide(gradient_predivide_factor, op)
         resolve_groups(num_groups, groups)  # validated; every gradient is its own collective
         if name is None:
             name = "Distributed" + type(optimizer).__name__
         super().__init__(use_locking=use_locking, name=name)
         self._optimizer = optimizer
-        self._compression = compression
-        self._sparse_as_dense = sparse_as_dense
-        self._reduce_op = op
+        self._reducer = GradientReducer(
+            self._name, compression, sparse_as_dense, op, gradient_predivide_factor,
+            scale_local_gradients=scale_local_gradients, process_set=process_set,
+            one_per_variable=True)
         self._passes = int(backward_passes_per_step)
         self._average_passes = average_aggregated_gradients
-        self._process_set = process_set
-        self._scale_local_gradients = scale_local_gradients
-        self._local: set = set()
         self._adasum = None
         if op == Adasum:
             self._adasum = _AdasumDelta(self._name, self._passes, compression, process_set)
@@ -278,42 +213,19 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     def register_local_var(self, var: Any) -> None:
         """Keeps `var`'s gradient on this rank: not reduced (divided by size() with
         scale_local_gradients). Call it before compute_gradients()."""
-        self._local.add(var.ref())
-
-    def _size(self) -> int:
-        return basics.size() if self._process_set is None else self._process_set.size()
-
-    def _scale_local(self, grads_and_vars: list) -> list:
-        if not (self._scale_local_gradients and self._local) or self._size() == 1:
-            return grads_and_vars
-        return [(collectives.scaled(g, 1.0 / self._size())
-                 if g is not None and v.ref() in self._local else g, v)
-                for g, v in grads_and_vars]
-
-    def _reduce(self, grads_and_vars: list) -> list:
-        basics.require_initialized(f"{self._name}.compute_gradients()")
-        if self._size() == 1 and self._reduce_op == Average and self._predivide == 1.0:
-            return grads_and_vars
-        with tf.name_scope(self._name + "_Allreduce"):
-            reduced = [(grad if var.ref() in self._local else
-                        _reduce_gradient(grad, var, self._reduce_op, self._compression,
-                                         self._sparse_as_dense, self._name, self._predivide,
-                                         self._process_set), var)
-                       for grad, var in grads_and_vars]
-        return self._scale_local(reduced)
+        self._reducer.register_local(var)
 
     def compute_gradients(self, *args: Any, **kwargs: Any) -> list:
         """The wrapped optimizer's (gradient, variable) pairs, gradients reduced over all ranks
         (with backward_passes_per_step > 1: this rank's, reduced later by apply_gradients;
         with op=Adasum: this rank's, applied as they are)."""
         grads_and_vars = self._optimizer.compute_gradients(*args, **kwargs)
+        basics.require_initialized(f"{self._name}.compute_gradients()")
         if self._adasum is not None:
-            basics.require_initialized(f"{self._name}.compute_gradients()")
-            return self._scale_local(grads_and_vars)
+            return self._reducer.scale_local(grads_and_vars)
         if self._passes > 1:
-            basics.require_initialized(f"{self._name}.compute_gradients()")
             return grads_and_vars
-        return self._reduce(grads_and_vars)
+        return self._reducer.reduce(grads_and_vars)
 
     def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
                         name: str | None = None) -> Any:
@@ -323,7 +235,8 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         advancing each time) and the variables' changes are combined every k-th call."""
         if self._adasum is not None:
             grads_and_vars = list(grads_and_vars)
-            shared = [v for g, v in grads_and_vars if g is not None and v.ref() not in self._local]
+            local = self._reducer.local
+            shared = [v for g, v in grads_and_vars if g is not None and v.ref() not in local]
             return self._adasum.apply(shared, lambda: self._optimizer.apply_gradients(
                 grads_and_vars, global_step, name))
         if self._passes == 1:
@@ -331,8 +244,8 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
         scale = 1.0 / self._passes if self._average_passes else 1.0
         return _accumulate_then_apply(
             list(grads_and_vars), self._passes, scale,
-            lambda total: self._optimizer.apply_gradients(self._reduce(total), global_step,
-                                                          name),
+            lambda total: self._optimizer.apply_gradients(self._reducer.reduce(total),
+                                                          global_step, name),
             self._name)
 
     def get_slot(self, *args: Any, **kwargs: Any) -> Any:

@@ -19,7 +19,7 @@ from hvd_checks import run_checks
 from worker_util import assert_close, fail, rank_data
 
 import perseus_legacy as hvd
-from perseus_legacy.elastic.tensorflow_state import optimizer_variables
+from perseus_legacy.keras.optimizer import optimizer_variables
 from perseus_legacy.keras.keras2 import keras
 
 EPOCHS = 2
