@@ -2,6 +2,8 @@
 
 A module of its own, outside both packages: `perseusrun` must start ranks without importing
 TensorFlow (which `import perseus_legacy` does), and the library must not depend on the launcher.
+It holds SETTINGS, the one table of every PERSEUS_* variable (docs/settings.md is checked
+against it by tests/test_settings.py), and the typed readers every Python read goes through.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 # `perseusrun --tcp`: this process's rank, and host:port of every rank in rank order.
 RANK_VARIABLE = "PERSEUS_TCP_RANK"
@@ -16,6 +20,134 @@ ADDRESSES_VARIABLE = "PERSEUS_TCP_ADDRESSES"
 # Set beside TF_USE_LEGACY_KERAS when `import perseus_legacy` chose legacy Keras in a process,
 # so that its child processes can tell that choice from the user's own.
 LEGACY_KERAS_SET_HERE = "PERSEUS_SET_TF_USE_LEGACY_KERAS"
+
+# Who reads a setting.
+LIBRARY, LAUNCHER, RUNTIME, BUILD = "library", "launcher", "native runtime", "build"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One PERSEUS_* environment variable."""
+
+    name: str
+    default: str  # as docs/settings.md shows it
+    rule: str  # the values it takes (how its reader parses it)
+    meaning: str
+    readers: tuple[str, ...]  # LIBRARY, LAUNCHER, RUNTIME, BUILD
+    documented: bool = True  # False: an internal marker, not a user setting
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("PERSEUS_FUSION_THRESHOLD", "67108864", "bytes >= 0",
+            "bytes of allreduce tensors fused into one collective", (RUNTIME,)),
+    Setting("PERSEUS_CYCLE_TIME", "1.0", "milliseconds > 0",
+            "how long a busy background thread gathers arrivals before negotiating",
+            (RUNTIME,)),
+    Setting("PERSEUS_CACHE_CAPACITY", "1024", "count >= 0 (0: no cache)",
+            "tensors whose negotiation is cached", (RUNTIME,)),
+    Setting("PERSEUS_STALL_WARNING_SECS", "60", "seconds >= 3",
+            "rank 0 warns about a tensor some ranks submitted and others did not", (RUNTIME,)),
+    Setting("PERSEUS_STALL_SHUTDOWN_SECS", "300", "seconds >= 3, or 0: never",
+            "such a stall (or a silent rank on MPI) becomes an error on every rank", (RUNTIME,)),
+    Setting("PERSEUS_CHIEF_WAIT_SECS", "7200", "seconds >= 0 (0: no limit)",
+            "Estimator: how long the other ranks wait for rank 0 at a sync point", (LIBRARY,)),
+    Setting("PERSEUS_HIERARCHICAL_ALLREDUCE", "auto", "auto, 1 or 0",
+            "hierarchical allreduce across hosts", (RUNTIME,)),
+    Setting("PERSEUS_TIMELINE", "unset", "a file path",
+            "each rank writes a Chrome trace-event timeline", (RUNTIME,)),
+    Setting("PERSEUS_CONTROLLER", "mpi under an MPI launcher, else tcp with a cluster",
+            "mpi or tcp", "the transport init() uses", (LIBRARY,)),
+    Setting("PERSEUS_SECRET", "random per job under perseusrun", "a string of >= 16 bytes",
+            "the job secret every TCP rank shares", (LIBRARY, LAUNCHER)),
+    Setting("PERSEUS_START_TIMEOUT", "120", "seconds > 0",
+            "TCP: how long ranks wait for each other at init()", (LIBRARY,)),
+    Setting(RANK_VARIABLE, "set by perseusrun --tcp", "a rank of PERSEUS_TCP_ADDRESSES",
+            "TCP: this process's rank", (LIBRARY,)),
+    Setting(ADDRESSES_VARIABLE, "set by perseusrun --tcp", "host:port,host:port,...",
+            "TCP: every rank's address, in rank order", (LIBRARY,)),
+    Setting("PERSEUS_MPI_YIELD_WHEN_IDLE", "auto", "on, off or auto (1/true/yes, 0/false/no)",
+            "ranks waiting in MPI yield the CPU", (LAUNCHER,)),
+    Setting("PERSEUS_NO_TF_PATCH", "unset", "a switch (1/true/yes/on, 0/false/no/off)",
+            "make none of the changes to TensorFlow", (LIBRARY,)),
+    Setting("PERSEUS_LOG_ALL_RANKS", "unset", "a switch (1/true/yes/on, 0/false/no/off)",
+            "ranks other than 0 keep TensorFlow's INFO logs under run_config()", (LIBRARY,)),
+    Setting("PERSEUS_EVALUATOR_TIMEOUT_SECS", "1800", "seconds >= 0 (0: no limit)",
+            "run_config()'s TF_CONFIG evaluator: how long it waits for a new checkpoint",
+            (LIBRARY,)),
+    Setting("PERSEUS_TF_PYTHON", "unset", "a Python interpreter",
+            "build the op library for that interpreter's TensorFlow", (BUILD,)),
+    Setting("PERSEUS_SKIP_TF_OPS", "unset", "a switch",
+            "build without the TensorFlow op library", (BUILD,)),
+    Setting(LEGACY_KERAS_SET_HERE, "unset", "1",
+            "import perseus_legacy set TF_USE_LEGACY_KERAS in this process", (LIBRARY, LAUNCHER),
+            documented=False),
+)
+_BY_NAME = {setting.name: setting for setting in SETTINGS}
+_ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
+# read_choice() aliases of a setting that is a switch or "auto".
+SWITCH_ALIASES = {**dict.fromkeys(_ON[:3], "on"), **dict.fromkeys(_OFF[1:4], "off")}
+
+
+class SettingError(ValueError):
+    """A PERSEUS_* variable has a value its rule does not allow; the text names both."""
+
+
+def setting(name: str) -> Setting:
+    """The table's entry for `name`; KeyError for a name that is not a setting."""
+    if name not in _BY_NAME:
+        raise KeyError(f"{name} is not a perseus_legacy setting (perseus_env.SETTINGS)")
+    return _BY_NAME[name]
+
+
+def read(name: str, env: Mapping[str, str] | None = None) -> str | None:
+    """The raw value of setting `name` in `env` (default os.environ); None when unset."""
+    setting(name)
+    return (os.environ if env is None else env).get(name)
+
+
+def _bad(name: str, text: str, expected: str) -> SettingError:
+    return SettingError(f"{name}={text!r}: expected {expected}")
+
+
+def read_switch(name: str, env: Mapping[str, str] | None = None) -> bool:
+    """Setting `name` as a boolean (1/true/yes/on or 0/false/no/off; unset or empty: False)."""
+    text = (read(name, env) or "").strip()
+    if text.lower() in _ON:
+        return True
+    if text.lower() in _OFF:
+        return False
+    raise _bad(name, text, "1/true/yes/on or 0/false/no/off")
+
+
+def read_choice(name: str, choices: tuple[str, ...], default: str,
+                env: Mapping[str, str] | None = None, aliases: Mapping[str, str] | None = None
+                ) -> str:
+    """Setting `name`, lower-cased, one of `choices` (after `aliases`); `default` when unset or
+    empty."""
+    text = (read(name, env) or "").strip()
+    if not text:
+        return default
+    value = text.lower()
+    value = (aliases or {}).get(value, value)
+    if value not in choices:
+        raise _bad(name, text, " or ".join(choices))
+    return value
+
+
+def read_seconds(name: str, default: float, env: Mapping[str, str] | None = None,
+                 zero_allowed: bool = True) -> float:
+    """Setting `name` as seconds, >= 0 (> 0 unless `zero_allowed`); `default` when unset."""
+    text = (read(name, env) or "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value >= 0 if zero_allowed else value > 0):
+        what = "a number of seconds >= 0" if zero_allowed else "a positive number of seconds"
+        raise _bad(name, text, what)
+    return value
 
 
 class MpirunNotFoundError(RuntimeError):

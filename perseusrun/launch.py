@@ -180,7 +180,11 @@ def _yield_when_idle(args: argparse.Namespace, env: dict, hosts: list[tuple[str,
     """Whether ranks' MPI waits should yield the CPU (see --yield-when-idle)."""
     choice = args.yield_when_idle
     if choice == "auto":
-        choice = env.get("PERSEUS_MPI_YIELD_WHEN_IDLE", "auto").strip().lower()
+        try:
+            choice = perseus_env.read_choice("PERSEUS_MPI_YIELD_WHEN_IDLE", ("on", "off", "auto"),
+                                             "auto", env, aliases=perseus_env.SWITCH_ALIASES)
+        except perseus_env.SettingError as exc:
+            raise UsageError(str(exc)) from None
     if choice in ("1", "on", "true", "yes"):
         return True
     if choice in ("0", "off", "false", "no"):
@@ -584,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.check_build:
             return check_build()
         env = inherited_environment()
-        if not env.get("PERSEUS_SECRET"):
+        if not perseus_env.read("PERSEUS_SECRET", env):
             env["PERSEUS_SECRET"] = secrets.token_hex(16)  # the ranks' shared job secret
         # TensorFlow's caching CPU allocator keeps large buffers mapped between steps instead of
         # faulting fresh pages in for every large tensor (a set value is kept).

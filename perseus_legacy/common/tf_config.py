@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import perseus_env
 from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
 
 # Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
@@ -192,8 +193,9 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> Cluster | None:
     `cluster_from_env().rank is None` answers "am I a rank?" for the evaluator.
     """
     env = os.environ if env is None else env
-    if env.get(ADDRESSES_VARIABLE):
-        return parse_perseus_variables(env.get(RANK_VARIABLE, ""), env[ADDRESSES_VARIABLE])
+    addresses = perseus_env.read(ADDRESSES_VARIABLE, env)
+    if addresses:
+        return parse_perseus_variables(perseus_env.read(RANK_VARIABLE, env) or "", addresses)
     text = env.get("TF_CONFIG", "").strip()
     if not text or _names_no_cluster(text):
         return None
@@ -210,38 +212,27 @@ def _parsed(rank_text: str | None, addresses_text: str | None,
 
 def current_cluster() -> Cluster | None:
     """This process's Cluster (cluster_from_env() of os.environ), parsed once."""
-    return _parsed(os.environ.get(RANK_VARIABLE), os.environ.get(ADDRESSES_VARIABLE),
+    return _parsed(perseus_env.read(RANK_VARIABLE), perseus_env.read(ADDRESSES_VARIABLE),
                    os.environ.get("TF_CONFIG"))
 
 
 def controller_from_env(env: Mapping[str, str] | None = None) -> str:
     """"mpi" or "tcp": PERSEUS_CONTROLLER if set; MPI under an MPI launcher; TCP with a cluster."""
     env = os.environ if env is None else env
-    choice = env.get("PERSEUS_CONTROLLER", "").strip().lower()
-    if choice in ("mpi", "tcp"):
-        return choice
+    choice = perseus_env.read_choice("PERSEUS_CONTROLLER", ("mpi", "tcp"), "", env)
     if choice:
-        raise ValueError(f"PERSEUS_CONTROLLER={env['PERSEUS_CONTROLLER']!r}: expected mpi or tcp")
+        return choice
     if any(name in env for name in MPI_LAUNCHER_VARIABLES):
         return "mpi"
-    if env.get(ADDRESSES_VARIABLE) or env.get("TF_CONFIG", "").strip():
+    if perseus_env.read(ADDRESSES_VARIABLE, env) or env.get("TF_CONFIG", "").strip():
         return "tcp"
     return "mpi"
 
 
 def start_timeout(env: Mapping[str, str] | None = None) -> float:
     """PERSEUS_START_TIMEOUT: seconds the TCP ranks wait for each other at init()."""
-    env = os.environ if env is None else env
-    text = env.get("PERSEUS_START_TIMEOUT", "").strip()
-    if not text:
-        return DEFAULT_START_TIMEOUT
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"PERSEUS_START_TIMEOUT={text!r} is not a positive number of seconds")
-    return value
+    return perseus_env.read_seconds("PERSEUS_START_TIMEOUT", DEFAULT_START_TIMEOUT, env,
+                                    zero_allowed=False)
 
 
 MIN_SECRET_BYTES = 16
@@ -249,8 +240,7 @@ MIN_SECRET_BYTES = 16
 
 def job_secret(env: Mapping[str, str] | None = None) -> str:
     """PERSEUS_SECRET, which every TCP rank must share; a clear error when missing or short."""
-    env = os.environ if env is None else env
-    secret = env.get("PERSEUS_SECRET", "")
+    secret = perseus_env.read("PERSEUS_SECRET", env) or ""
     how = ("e.g. set it to the output of `python -c 'import secrets; print(secrets.token_hex(16))'`"
            " for every task (perseusrun --tcp creates one itself)")
     if not secret:

@@ -19,13 +19,13 @@ fails with an error saying so, rather than wait forever on a rank 0 stuck in its
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from typing import Iterator
 
 import numpy as np
 
+import perseus_env
 from perseus_legacy.common import basics
 
 HEARTBEAT_SECS = 0.5
@@ -34,15 +34,7 @@ DEFAULT_CHIEF_WAIT_SECS = 7200.0
 
 def chief_wait_secs(env: dict | None = None) -> float:
     """PERSEUS_CHIEF_WAIT_SECS: how long a rank waits at a sync point for a busy rank 0."""
-    text = (os.environ if env is None else env).get("PERSEUS_CHIEF_WAIT_SECS", "")
-    try:
-        value = float(text) if text else DEFAULT_CHIEF_WAIT_SECS
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError(f"perseus_legacy: PERSEUS_CHIEF_WAIT_SECS={text!r} is not a "
-                         "non-negative number")
-    return value
+    return perseus_env.read_seconds("PERSEUS_CHIEF_WAIT_SECS", DEFAULT_CHIEF_WAIT_SECS, env)
 _DONE, _BUSY = 0, 1
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
-import os
 import shutil
 import tempfile
 from typing import Any
 
 import tensorflow as tf
 
+import perseus_env
 from perseus_legacy.common import basics, tf_config
 from perseus_legacy.tf1 import config
 from perseus_legacy.tf_compat import estimator_api
@@ -69,18 +69,10 @@ class DistributedRunConfig(_run_config_lib.RunConfig):
 
 def _evaluator_timeout(given: float | None) -> float:
     if given is None:
-        text = os.environ.get(EVALUATOR_TIMEOUT_ENV, "").strip()
-        if not text:
-            return DEFAULT_EVALUATOR_TIMEOUT_SECS
-        try:
-            given = float(text)
-        except ValueError:
-            given = -1.0
-        where = f"{EVALUATOR_TIMEOUT_ENV}={text!r}"
-    else:
-        where = f"run_config(evaluator_timeout_secs={given!r})"
+        return perseus_env.read_seconds(EVALUATOR_TIMEOUT_ENV, DEFAULT_EVALUATOR_TIMEOUT_SECS)
     if not given >= 0:
-        raise ValueError(f"{where}: expected seconds >= 0 (0: wait for checkpoints forever)")
+        raise ValueError(f"run_config(evaluator_timeout_secs={given!r}): expected seconds >= 0 "
+                         "(0: wait for checkpoints forever)")
     return float(given)
 
 
@@ -106,7 +98,7 @@ def distributed_run_config(evaluator_timeout_secs: float | None,
     if role.is_rank:
         kwargs["session_config"] = config.session_config(kwargs.get("session_config"))
     if not role.is_chief and role.is_rank:
-        log_all = os.environ.get(LOG_ALL_RANKS_ENV, "0") not in ("", "0")
+        log_all = perseus_env.read_switch(LOG_ALL_RANKS_ENV)
         kwargs.update(model_dir=_private_model_dir(role.rank), save_checkpoints_steps=None,
                       save_checkpoints_secs=None, save_summary_steps=0)
         if not log_all:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.metadata
-import os
 from typing import Callable
 
+import perseus_env
 from perseus_legacy.tf_compat import control_deps, estimator_api, estimator_wrappers, keras
 from perseus_legacy.tf_compat.estimator_api import TPUUnavailableError  # noqa: F401
 from perseus_legacy.tf_compat.keras import Keras3AlreadyBoundError  # noqa: F401
@@ -69,7 +69,7 @@ _pieces: dict[str, str] = {}
 
 def patches_disabled() -> bool:
     """Whether PERSEUS_NO_TF_PATCH turns every TensorFlow patch off."""
-    return os.environ.get(NO_TF_PATCH_ENV, "").lower() in ("1", "true", "yes", "on")
+    return perseus_env.read_switch(NO_TF_PATCH_ENV)
 
 
 def apply() -> dict[str, str]:
