@@ -59,8 +59,20 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None,
                      name: str | None = None, process_set: ProcessSet | None = None) -> Any:
     """Returns `root_rank`'s `obj` on every rank (pickled: only between trusted ranks).
 
-    Every rank (of `process_set`, whose `root_rank` is a global rank) must call it; the other
-    ranks' `obj` is ignored. `session` is accepted for Horovod compatibility and not needed.
+    Every rank (of `process_set`) must call it; the other ranks' `obj` is ignored.
+
+    Args:
+      obj: the value to send (used on `root_rank` only); picklable.
+      root_rank: the global rank whose `obj` every rank gets.
+      session: accepted for Horovod compatibility, not needed.
+      name: names the collectives (default: counted per process set).
+      process_set: among this ProcessSet's ranks only (default: every rank).
+
+    Returns:
+      `root_rank`'s `obj`.
+
+    Raises:
+      ValueError: `root_rank` is not a rank (of the set), or this rank is outside the set.
     """
     basics.require_initialized("broadcast_object()")
     set_id = process_set_id(process_set, "broadcast_object")

@@ -32,9 +32,23 @@ def run_config(evaluator_timeout_secs: float | None = None, **kwargs: Any) -> An
     private temporary model_dir, removed at exit, and writes nothing: no checkpoints, no
     summaries, and TensorFlow's INFO logs are dropped there unless PERSEUS_LOG_ALL_RANKS=1.
     `session_config` gets session_config() (this rank's GPU); `tf_random_seed` is kept as given.
-    perseus_legacy.init() runs first if it has not. The TF_CONFIG evaluator task joins no group;
-    it fails when no new checkpoint appears in `model_dir` for `evaluator_timeout_secs`
-    (default: PERSEUS_EVALUATOR_TIMEOUT_SECS, else 1800; 0: no limit).
+    perseus_legacy.init() runs first if it has not. The TF_CONFIG evaluator task joins no group.
+
+    Args:
+      evaluator_timeout_secs: the TF_CONFIG evaluator fails when no new checkpoint appears in
+        `model_dir` for this long (default: PERSEUS_EVALUATOR_TIMEOUT_SECS, else 1800; 0: no
+        limit).
+      **kwargs: tf.estimator.RunConfig's keyword arguments (`model_dir`, `session_config`,
+        `tf_random_seed`, `save_checkpoints_steps`, ...), changed on ranks other than 0 as
+        above.
+
+    Returns:
+      A DistributedRunConfig (a tf.estimator.RunConfig) for this process.
+
+    Raises:
+      ImportError: tf.estimator cannot be imported here (Keras 3 bound first, or
+        PERSEUS_NO_TF_PATCH=1 on TensorFlow >= 2.16).
+      ValueError: a negative `evaluator_timeout_secs` (or PERSEUS_EVALUATOR_TIMEOUT_SECS).
     """
     _require_estimator()
     from perseus_legacy.estimator import _run_config, _training

@@ -142,6 +142,19 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     to fit's). With `momentum_correction`, a batch whose lr changed from lr_old uses momentum *
     lr / lr_old (then the momentum is restored); that needs momentum in a variable, as the legacy
     Keras optimizers (`optimizers.legacy.SGD`) keep it. The epoch-end logs get "lr".
+
+    Args:
+      initial_lr: the rate that `multiplier` scales.
+      multiplier: a function of the (fractional) epoch, or a number m: m ** (epoch -
+        start_epoch).
+      start_epoch: the first epoch the schedule sets the rate in.
+      end_epoch: the epoch it stops at (exclusive; None: to the end).
+      staircase: set the rate once per epoch (at its first batch) instead of every batch.
+      momentum_correction: scale the momentum by lr / lr_old for a batch whose rate changed.
+      steps_per_epoch: batches per epoch, for the fractional epoch (default: fit's).
+
+    Raises:
+      ValueError: no initial_lr; without staircase, no steps_per_epoch known at fit().
     """
 
     def __init__(self, initial_lr: float, multiplier: Any, start_epoch: int = 0,
@@ -217,6 +230,16 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     (p * (size() - 1) / warmup_epochs + 1); the first batch after the warmup gets initial_lr.
     `initial_lr` is the already scaled rate (e.g. `scale_learning_rate(0.01)`). Momentum
     correction and `steps_per_epoch` as in LearningRateScheduleCallback.
+
+    Args:
+      initial_lr: the already scaled rate reached at the end of the warmup.
+      warmup_epochs: the warmup's length in epochs (> 0, may be fractional).
+      momentum_correction: as in LearningRateScheduleCallback.
+      steps_per_epoch: as in LearningRateScheduleCallback.
+      verbose: > 0 prints a line when the warmup ends.
+
+    Raises:
+      ValueError: warmup_epochs <= 0.
     """
 
     def __init__(self, initial_lr: float, warmup_epochs: float = 5,
@@ -254,6 +277,14 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
 
     Horovod's signature, plus `filepath` (Horovod's Spark estimator sets it; here pass it).
     Average the monitored metric first (MetricAverageCallback) so every rank agrees on "best".
+
+    Args:
+      monitor: the metric whose best value is kept.
+      verbose: ModelCheckpoint's verbosity.
+      save_weights_only: save the weights only, not the whole model.
+      mode: "auto", "min" or "max": which value of `monitor` is best.
+      save_freq: "epoch" or a number of batches.
+      filepath: where rank 0 saves the model (required, checked at on_train_begin).
     """
 
     def __init__(self, monitor: str = "val_loss", verbose: int = 0,

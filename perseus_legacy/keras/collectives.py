@@ -14,7 +14,20 @@ from perseus_legacy.tensorflow.compression import Compression
 def allreduce(value: Any, name: str | None = None, average: bool | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               op: int | None = None, compression: Any = Compression.none) -> tf.Tensor:
-    """perseus_legacy.allreduce of `value` (default Average); `name` names the collective."""
+    """perseus_legacy.allreduce of `value` (default Average).
+
+    Args:
+      value: a tensor or anything tf.convert_to_tensor accepts.
+      name: names the collective.
+      average: Horovod's deprecated spelling of `op`.
+      prescale_factor: multiplies each rank's value before the reduction.
+      postscale_factor: multiplies the result.
+      op: Average, Sum, Min, Max, Product or Adasum.
+      compression: `Compression.none` or `Compression.fp16`.
+
+    Returns:
+      The reduced tensor.
+    """
     return collectives.allreduce(tf.convert_to_tensor(value), average=average, op=op, name=name,
                          prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                          compression=compression)

@@ -145,13 +145,35 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa: N802 
     """A new optimizer of `optimizer`'s class and config whose gradients are reduced over ranks.
 
     The result is an instance of (a subclass of) the same Keras optimizer class, built from
-    `optimizer.get_config()`: pass it to `model.compile`. `name` names the collectives (default
-    "Distributed" + class name), not the optimizer. Sparse gradients are allgathered and stay
-    sparse unless `sparse_as_dense=True`; `compression=Compression.fp16` sends float16. With
-    `backward_passes_per_step=k`, k passes are summed locally (averaged with
-    `average_aggregated_gradients`) before one reduction and update. `device_dense` and
-    `device_sparse` are ignored (kernels run on the CPU). With `process_set`, gradients are
-    reduced over its ranks only.
+    `optimizer.get_config()`: pass it to `model.compile`.
+
+    Args:
+      optimizer: the Keras 2 optimizer to copy (tf-keras, or tf.keras on TF < 2.16).
+      name: names the collectives (default "Distributed" + class name), not the optimizer.
+      device_dense: ignored (Horovod's): every kernel runs on the CPU.
+      device_sparse: ignored, likewise.
+      compression: `Compression.none`, or `Compression.fp16` to send float16.
+      sparse_as_dense: convert sparse gradients to dense tensors; otherwise they are
+        allgathered and stay sparse.
+      gradient_predivide_factor: f (op=Average only) divides by f before the sum and
+        multiplies by f/size() after it.
+      op: Average (default), Sum or Adasum.
+      backward_passes_per_step: k > 1 sums k passes locally before one reduction and update
+        (`iterations` still advances on every call, as in Horovod).
+      average_aggregated_gradients: apply the mean of the k passes instead of their sum.
+      num_groups: Horovod's deprecated spelling of `groups`.
+      groups: None (one fused reduction), a count of contiguous groups, or lists of variables.
+      scale_local_gradients: divide the gradients of variables given to register_local_var
+        (which are not reduced) by size().
+      process_set: reduce over this ProcessSet's ranks only (default: every rank).
+
+    Returns:
+      The distributed optimizer.
+
+    Raises:
+      TypeError: `optimizer` is not a Keras 2 optimizer (a Keras 3 or tf.compat.v1 one).
+      ValueError: `optimizer` is already distributed, backward_passes_per_step < 1, a
+        predivide factor with an op other than Average, or bad `groups`.
     """
     _check_optimizer(optimizer)
     reducer = GradientReducer(name or "Distributed" + type(optimizer).__name__, compression,
@@ -169,7 +191,17 @@ def PartialDistributedOptimizer(optimizer: Any, name: str | None = None,  # noqa
                                 groups: Any = None, local_layers: Any = None,
                                 scale_local_gradients: bool = True) -> Any:
     """DistributedOptimizer whose `local_layers`' gradients stay on this rank (divided by
-    size() with `scale_local_gradients`, as in Horovod). op must be Average or Sum."""
+    size() with `scale_local_gradients`, as in Horovod).
+
+    Args:
+      local_layers: a Keras layer or an iterable of layers whose trainable variables stay
+        local (None: none).
+      op: Average or Sum.
+      The others: as for DistributedOptimizer.
+
+    Raises:
+      ValueError: op is neither Average nor Sum, or as for DistributedOptimizer.
+    """
     if op not in (Average, Sum):
         raise ValueError(f"PartialDistributedOptimizer supports op=Average and op=Sum, not "
                          f"{basics.REDUCE_OP_NAMES.get(op, op)}")

@@ -226,12 +226,32 @@ def allreduce(tensor: TensorLike, average: bool | None = None, device_dense: str
     """Reduces `tensor` over all ranks (or `process_set`'s) with `op` (default Average).
 
     The result is `postscale_factor * op(prescale_factor * tensor of every rank)`; Average of
-    integer tensors divides with truncation. A `tf.IndexedSlices` is allgathered (values and
-    indices concatenated in rank order; for Average the values are divided by size(), integer
-    values becoming floating point as in Horovod) and stays sparse; `compression` applies to
-    dense tensors only. `op=Adasum` combines float tensors by adaptive summation
-    (perseus_legacy.tensorflow.adasum). `average=` is Horovod's deprecated spelling of `op`;
-    `device_dense` and `device_sparse` are ignored (every kernel runs on the CPU).
+    integer tensors divides with truncation. Every rank (of the set) must call it with the same
+    shape and dtype.
+
+    Args:
+      tensor: a tensor, or a `tf.IndexedSlices`: allgathered (values and indices concatenated
+        in rank order; for Average the values are divided by size(), integer values becoming
+        floating point as in Horovod) and kept sparse.
+      average: Horovod's deprecated spelling of `op` (True: Average, False: Sum).
+      device_dense: ignored: every kernel runs on the CPU.
+      device_sparse: ignored, likewise.
+      compression: `Compression.none` or `Compression.fp16` (dense tensors only).
+      op: Average, Sum, Min, Max, Product, or Adasum (float tensors combined by adaptive
+        summation, perseus_legacy.tensorflow.adasum).
+      prescale_factor: multiplies each rank's tensor before the reduction.
+      postscale_factor: multiplies the result.
+      name: the collective's name (module docstring: how names are chosen).
+      process_set: reduce over this ProcessSet's ranks only (default: every rank).
+
+    Returns:
+      The reduced tensor (a `tf.IndexedSlices` for sparse input).
+
+    Raises:
+      NotInitializedError: before init().
+      ValueError: both `op` and `average`, an unknown op, or this rank outside `process_set`.
+      TypeError: a bool tensor.
+      NotImplementedError: sparse input with an op other than Average or Sum.
     """
     basics.require_initialized("perseus_legacy.allreduce()")
     op = resolve_op(op, average, "allreduce")
@@ -298,7 +318,16 @@ def grouped_allreduce(tensors: Sequence[TensorLike], average: bool | None = None
     """Allreduces every tensor of `tensors` with the same op; returns the results in order.
 
     All the reductions are submitted together, so small tensors are fused into few collectives.
-    Arguments as for allreduce().
+
+    Args:
+      tensors: the tensors (or `tf.IndexedSlices`, each reduced on its own).
+      The others: as for allreduce(), applied to every tensor.
+
+    Returns:
+      The reduced tensors, in the order of `tensors`.
+
+    Raises:
+      As allreduce().
     """
     basics.require_initialized("perseus_legacy.grouped_allreduce()")
     op = resolve_op(op, average, "grouped_allreduce")
@@ -546,6 +575,22 @@ def reducescatter(tensor: TensorLike, device_dense: str = "", compression: Any =
     `rows % size()` ranks get one row more. Implemented as an allreduce followed by this rank's
     slice (every rank moves the whole tensor; a native reduce-scatter would move 1/size() of
     it). The gradient is Horovod's: the incoming gradient allgathered (times size() for Sum).
+
+    Args:
+      tensor: the tensor every rank (of the set) contributes, same shape on every rank.
+      device_dense: ignored: every kernel runs on the CPU.
+      compression: `Compression.none` or `Compression.fp16`.
+      op: Average or Sum.
+      name: the collective's name.
+      prescale_factor: multiplies each rank's tensor before the reduction.
+      postscale_factor: multiplies the result.
+      process_set: reduce over this ProcessSet's ranks only (default: every rank).
+
+    Returns:
+      This rank's rows of the reduced tensor.
+
+    Raises:
+      ValueError: an op other than Average or Sum, or this rank outside `process_set`.
     """
     basics.require_initialized("perseus_legacy.reducescatter()")
     op = _check_scatter_op(op, "reducescatter")
@@ -562,7 +607,15 @@ def grouped_reducescatter(tensors: Sequence[TensorLike], device_dense: str = "",
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           name: str | None = None,
                           process_set: ProcessSet | None = None) -> list:
-    """reducescatter() of every tensor of `tensors` in one fused reduction; results in order."""
+    """reducescatter() of every tensor of `tensors` in one fused reduction.
+
+    Args:
+      tensors: the tensors every rank (of the set) contributes.
+      The others: as for reducescatter(), applied to every tensor.
+
+    Returns:
+      This rank's rows of each reduced tensor, in the order of `tensors`.
+    """
     basics.require_initialized("perseus_legacy.grouped_reducescatter()")
     op = _check_scatter_op(op, "grouped_reducescatter")
     set_id = process_set_id(process_set, "grouped_reducescatter")

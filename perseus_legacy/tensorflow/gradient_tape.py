@@ -72,12 +72,31 @@ def DistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Horovod's 
                             process_set: Any = None) -> tf.GradientTape:
     """A tape recording what `gradtape` recorded whose gradient() reduces over all ranks.
 
-    Gradients are reduced with `op` (Average by default; `gradient_predivide_factor` f divides
-    by f before the sum and multiplies by f/size() after). Sparse gradients are allgathered and
-    stay sparse unless `sparse_as_dense`. `groups` (or the deprecated `num_groups`) splits the
-    reduction as in Horovod. `device_dense`/`device_sparse` are ignored: kernels run on the CPU.
-    With `process_set`, gradients are reduced over its ranks only. `op=Adasum` combines the
-    gradients by Adasum (perseus_legacy.tensorflow.adasum).
+    Args:
+      gradtape: the tf.GradientTape to wrap (once: a distributed tape is refused).
+      device_dense: ignored (Horovod's): every kernel runs on the CPU.
+      device_sparse: ignored, likewise.
+      compression: `Compression.none`, or `Compression.fp16` to send float gradients as
+        float16.
+      sparse_as_dense: convert sparse gradients to dense tensors; otherwise they are
+        allgathered and stay sparse.
+      op: Average (default), Sum, or Adasum (the gradients combined by
+        perseus_legacy.tensorflow.adasum).
+      gradient_predivide_factor: f (op=Average only) divides by f before the sum and
+        multiplies by f/size() after it.
+      num_groups: Horovod's deprecated spelling of `groups`.
+      groups: None (one fused reduction), a count of contiguous groups, or lists of variables
+        (one reduction each), as in Horovod.
+      scale_local_gradients: divide the gradients of sources given to register_local_source
+        (which are not reduced) by size().
+      process_set: reduce over this ProcessSet's ranks only (default: every rank).
+
+    Returns:
+      A tape of the same class whose gradient() returns the reduced gradients.
+
+    Raises:
+      ValueError: `gradtape` is already distributed, a predivide factor with an op other
+        than Average, or bad `groups`.
     """
     if isinstance(gradtape, _DistributedTape):
         raise ValueError("this GradientTape is already distributed: wrap the plain tape once")
@@ -117,6 +136,15 @@ def PartialDistributedGradientTape(gradtape: tf.GradientTape,  # noqa: N802 (Hor
 
     Those gradients are not reduced; with `scale_local_gradients` they are divided by size(),
     as in Horovod.
+
+    Args:
+      local_layers: a Keras layer or an iterable of layers whose trainable variables stay
+        local (None: none).
+      The others: as for DistributedGradientTape.
+
+    Raises:
+      ValueError: `local_layers` holds something that is not a layer, or as for
+        DistributedGradientTape.
     """
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression,
                                    sparse_as_dense, op, gradient_predivide_factor, num_groups,

@@ -51,6 +51,21 @@ class GradientReducer:
     sparse ones need `sparse_as_dense`. With `one_per_variable` (the TF1 DistributedOptimizer),
     `groups` is ignored and each gradient is reduced by a collective of its own, named after
     its variable, so ranks agree on the names whatever order they build the gradients in.
+
+    Args:
+      name: names the collectives (and the errors).
+      compression: `Compression.none` or `Compression.fp16`.
+      sparse_as_dense: convert sparse gradients to dense tensors first.
+      op: Average, Sum or Adasum.
+      gradient_predivide_factor: f: prescale 1/f, postscale f (op=Average only).
+      groups: None, a count > 0, or lists of variables, as above.
+      scale_local_gradients: divide the local variables' gradients by size().
+      process_set: reduce over this ProcessSet's ranks only (None: every rank).
+      one_per_variable: one collective per gradient, named after its variable.
+
+    Raises:
+      ValueError: a predivide factor with an op other than Average, an unknown op, or bad
+        `groups`.
     """
 
     def __init__(self, name: str, compression: Any = Compression.none,

@@ -98,6 +98,13 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
     others are undone: every rank ends with the variables of the rank that completed the fewest
     steps, i.e. after the last step all ranks took part in (`steps` is then the same
     everywhere). A rank that fails with an exception fails the others.
+
+    Args:
+      root_rank: the rank whose variables every rank starts from.
+      broadcast: False: no broadcast after the session exists (the caller makes the ranks'
+        variables equal some other way).
+      op: how gradients are reduced: Average (default) or Sum.
+      device: the device the broadcast ops are placed on.
     """
 
     def __init__(self, root_rank: int = 0, broadcast: bool = True, op: int = Average,

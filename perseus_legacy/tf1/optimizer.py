@@ -150,24 +150,45 @@ class DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """A `tf.compat.v1.train.Optimizer` whose gradients are averaged (by default) over all ranks.
 
     `compute_gradients` returns the wrapped optimizer's gradients reduced with `op` over every
-    rank, so `minimize`/`apply_gradients` take the same step on every rank. Sparse gradients
-    (`tf.IndexedSlices`, e.g. of an embedding lookup) are allgathered and stay sparse unless
-    `sparse_as_dense=True`. `compression=Compression.fp16` sends float gradients as float16.
-    With `backward_passes_per_step=k > 1`, `compute_gradients` returns this rank's gradients
-    and `apply_gradients` accumulates them, reducing and applying only every k-th call: the sum
-    of the k passes, or their mean with `average_aggregated_gradients=True` (as in Horovod).
-    `gradient_predivide_factor` f (op=Average only) scales gradients by 1/f before the sum and
-    f/size() after it. `groups`/`num_groups` are validated and otherwise ignored (each gradient
-    is one collective; the runtime fuses them); `device_dense`/`device_sparse` are ignored
-    (kernels run on the CPU). Every rank must build the same trainable variables (their names
-    name the collectives). With `process_set`, gradients are reduced over its ranks only.
+    rank, so `minimize`/`apply_gradients` take the same step on every rank. Every rank must
+    build the same trainable variables: their names name the collectives. Given a Keras
+    optimizer, it returns `perseus_legacy.keras.DistributedOptimizer(optimizer, ...)`, as
+    Horovod does.
 
-    Gradients of variables given to `register_local_var` are not reduced; with
-    `scale_local_gradients` (the default) they are divided by size(), as in Horovod.
-    `op=Adasum` applies each rank's own gradients with the wrapped optimizer and combines the
-    variables' changes by Adasum, every `backward_passes_per_step`-th step (see _AdasumDelta).
-    Given a Keras optimizer, it returns `perseus_legacy.keras.DistributedOptimizer(optimizer,
-    ...)`, as Horovod does.
+    Args:
+      optimizer: the tf.compat.v1.train.Optimizer to wrap (or a Keras 2 optimizer, see above).
+      name: the optimizer's name, which also names the collectives (default
+        "Distributed" + the wrapped class's name).
+      use_locking: passed to tf.compat.v1.train.Optimizer.
+      device_dense: ignored (Horovod's): every kernel runs on the CPU.
+      device_sparse: ignored, likewise.
+      compression: `Compression.none`, or `Compression.fp16` to send float gradients as
+        float16.
+      sparse_as_dense: convert sparse gradients (`tf.IndexedSlices`, e.g. of an embedding
+        lookup) to dense tensors before reducing; otherwise they are allgathered and stay
+        sparse.
+      backward_passes_per_step: k > 1: `compute_gradients` returns this rank's gradients and
+        `apply_gradients` accumulates them, reducing and applying only every k-th call (a
+        graph is needed).
+      op: Average (default), Sum, or Adasum: each rank applies its own gradients and the
+        variables' changes are combined by Adasum every `backward_passes_per_step`-th step
+        (see _AdasumDelta).
+      gradient_predivide_factor: f (op=Average only) scales gradients by 1/f before the sum
+        and f/size() after it.
+      average_aggregated_gradients: with backward_passes_per_step=k, apply the mean of the k
+        passes instead of their sum (as in Horovod).
+      num_groups: Horovod's deprecated spelling of `groups`.
+      groups: validated and otherwise ignored: each gradient is its own collective, and the
+        runtime fuses them.
+      process_set: reduce over this ProcessSet's ranks only (default: every rank).
+      scale_local_gradients: divide the gradients of variables given to
+        `register_local_var` (which are not reduced) by size(), as in Horovod.
+
+    Raises:
+      TypeError: `optimizer` is neither a tf.compat.v1 nor a Keras 2 optimizer.
+      ValueError: backward_passes_per_step < 1, op=Adasum with
+        average_aggregated_gradients, a predivide factor with an op other than Average, or
+        bad `groups`.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
@@ -265,10 +286,24 @@ class SyncReplicasOptimizer(DistributedOptimizer):
     """`tf.compat.v1.train.SyncReplicasOptimizer` on allreduce: no parameter servers, no queues.
 
     Every global step applies the average of `replicas_to_aggregate` gradients. Each rank counts
-    as one replica; `replicas_to_aggregate = k * size()` (k > 1) averages k backward passes of
-    every rank (the global step advances every k-th run of the train op). Both default to the
-    number of ranks. Backup workers (fewer replicas to aggregate than replicas) and counts that
+    as one replica. Backup workers (fewer replicas to aggregate than replicas) and counts that
     are not a multiple of the number of ranks are refused: allreduce waits for every rank.
+
+    Args:
+      opt: the tf.compat.v1.train.Optimizer to wrap.
+      replicas_to_aggregate: gradients averaged per global step; default size(). k * size()
+        (k > 1) averages k backward passes of every rank (the global step advances every k-th
+        run of the train op).
+      total_num_replicas: must be None or size().
+      variable_averages: not supported (must be None).
+      variables_to_average: not supported (must be None).
+      use_locking: passed to tf.compat.v1.train.Optimizer.
+      name: the optimizer's name.
+
+    Raises:
+      NotImplementedError: variable averages were asked for.
+      ValueError: total_num_replicas is not size(), or replicas_to_aggregate is less than
+        size() or not a multiple of it.
     """
 
     def __init__(self, opt: tf.compat.v1.train.Optimizer, replicas_to_aggregate: int | None = None,
