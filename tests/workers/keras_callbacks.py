@@ -142,9 +142,9 @@ def load_model(shared: str) -> dict:
     plain = tf_keras.models.load_model(path)
     loaded = hvd.load_model(path)
     seen = {"plain_is_distributed": isinstance(plain.optimizer,
-                                               hvd._optimizer.DistributedOptimizerMixin),
+                                               hvd.optimizer.DistributedOptimizerMixin),
             "loaded_is_distributed": isinstance(loaded.optimizer,
-                                                hvd._optimizer.DistributedOptimizerMixin),
+                                                hvd.optimizer.DistributedOptimizerMixin),
             "loaded_class": type(loaded.optimizer).__name__,
             "iterations_saved": int(m.optimizer.iterations),
             "iterations_loaded": int(loaded.optimizer.iterations)}
