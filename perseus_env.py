@@ -130,7 +130,7 @@ def read_choice(name: str, choices: tuple[str, ...], default: str,
     value = text.lower()
     value = (aliases or {}).get(value, value)
     if value not in choices:
-        raise _bad(name, text, " or ".join(choices))
+        raise _bad(name, text, ", ".join(choices[:-1]) + " or " + choices[-1])
     return value
 
 
