@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import perseus_env
 from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
 
 # Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
@@ -53,6 +54,11 @@ class Cluster:
     def is_rank(self) -> bool:
         """Whether this process takes part in the collectives (the evaluator does not)."""
         return self.rank is not None
+
+
+def _environ() -> Mapping[str, str]:
+    """os.environ with the PERSEUS_* settings that a Slurm step (srun without MPI) implies."""
+    return {**os.environ, **perseus_env.slurm_tcp_settings(os.environ)}
 
 
 def _excerpt(value: object, limit: int = 200) -> str:
@@ -182,7 +188,7 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> Cluster | None:
 
     `cluster_from_env().rank is None` answers "am I a rank?" for the evaluator.
     """
-    env = os.environ if env is None else env
+    env = _environ() if env is None else env
     if env.get(ADDRESSES_VARIABLE):
         return parse_perseus_variables(env.get(RANK_VARIABLE, ""), env[ADDRESSES_VARIABLE])
     text = env.get("TF_CONFIG", "").strip()
@@ -201,13 +207,13 @@ def _parsed(rank_text: str | None, addresses_text: str | None,
 
 def current_cluster() -> Cluster | None:
     """This process's Cluster (cluster_from_env() of os.environ), parsed once."""
-    return _parsed(os.environ.get(RANK_VARIABLE), os.environ.get(ADDRESSES_VARIABLE),
-                   os.environ.get("TF_CONFIG"))
+    env = _environ()
+    return _parsed(env.get(RANK_VARIABLE), env.get(ADDRESSES_VARIABLE), env.get("TF_CONFIG"))
 
 
 def controller_from_env(env: Mapping[str, str] | None = None) -> str:
     """"mpi" or "tcp": PERSEUS_CONTROLLER if set; MPI under an MPI launcher; TCP with a cluster."""
-    env = os.environ if env is None else env
+    env = _environ() if env is None else env
     choice = env.get("PERSEUS_CONTROLLER", "").strip().lower()
     if choice in ("mpi", "tcp"):
         return choice
@@ -240,7 +246,7 @@ MIN_SECRET_BYTES = 16
 
 def job_secret(env: Mapping[str, str] | None = None) -> str:
     """PERSEUS_SECRET, which every TCP rank must share; a clear error when missing or short."""
-    env = os.environ if env is None else env
+    env = _environ() if env is None else env
     secret = env.get("PERSEUS_SECRET", "")
     how = ("e.g. set it to the output of `python -c 'import secrets; print(secrets.token_hex(16))'`"
            " for every task (perseusrun --tcp creates one itself)")

@@ -1,0 +1,215 @@
+"""Jobs under a real Slurm on emulated hosts (perseusrun/emulate_slurm.py): srun without MPI (the
+TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
+inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
+
+The rules that turn a Slurm step's variables into ranks (perseus_env.py) are tested first,
+without a cluster. The cluster needs root, iproute2 and the packages slurm-wlm, munge and
+libpmix-dev (`make slurm-packages`); without them its tests are skipped with the reason. Every
+cluster is started by the test that uses it and stopped (daemons, namespaces, files) after it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT, failure_summary, launch_env
+
+import perseus_env
+from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
+from perseusrun import emulate, emulate_slurm
+
+TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
+SECRET = "slurm-test-secret-0123456789"
+JOB_TIMEOUT = 240
+
+
+# ---- Slurm's variables -> ranks, no cluster ----------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("node7", ["node7"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("n[08-11,20],login", ["n08", "n09", "n10", "n11", "n20", "login"]),
+    ("r[1-2]c[3,5]", ["r1c3", "r1c5", "r2c3", "r2c5"]),
+    ("a-1,b[0-1]-x", ["a-1", "b0-x", "b1-x"]),
+])
+def test_host_lists_expand_as_scontrol_show_hostnames(text, expected):
+    assert perseus_env.expand_hostlist(text) == expected
+
+
+@pytest.mark.parametrize("text", ["n[1-", "n[3-1]", "n[a]", "n]1["])
+def test_a_malformed_host_list_is_named(text):
+    with pytest.raises(SlurmEnvironmentError, match="host list"):
+        perseus_env.expand_hostlist(text)
+
+
+def test_tasks_per_node_and_the_block_and_cyclic_placements():
+    assert perseus_env.expand_tasks_per_node("2(x2),1") == [2, 2, 1]
+    assert perseus_env.slurm_placement([2, 1]) == [(0, 0), (0, 1), (1, 0)]
+    assert perseus_env.slurm_placement([2, 1], "cyclic:block") == [(0, 0), (1, 0), (0, 1)]
+    with pytest.raises(SlurmEnvironmentError, match="SLURM_DISTRIBUTION='plane=2'"):
+        perseus_env.slurm_placement([2, 2], "plane=2")
+
+
+def step_env(**changes: str | None) -> dict:
+    """Task 3 of a step of job 42 on 2 nodes x 2 tasks (localhost's names: they resolve)."""
+    env = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+           "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "localhost,127.0.0.1",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "PERSEUS_SECRET": SECRET}
+    env.update(changes)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_a_step_without_mpi_gives_rank_addresses_from_nodes_and_local_ids():
+    settings = slurm_tcp_settings(step_env())
+    port = perseus_env.SLURM_PORT_FIRST + (42 * 8) % perseus_env.SLURM_PORT_BLOCKS * 64
+    assert settings == {
+        "PERSEUS_CONTROLLER": "tcp", "PERSEUS_TCP_RANK": "3", "PERSEUS_SECRET": SECRET,
+        "PERSEUS_TCP_ADDRESSES": f"localhost:{port},localhost:{port + 1},"
+                                 f"127.0.0.1:{port},127.0.0.1:{port + 1}"}
+    # Another step of the job gets other ports; PERSEUS_SLURM_PORT chooses them.
+    other = slurm_tcp_settings(step_env(SLURM_STEP_ID="1"))["PERSEUS_TCP_ADDRESSES"]
+    assert f":{port + 64}," in other
+    chosen = slurm_tcp_settings(step_env(PERSEUS_SLURM_PORT="31000"))["PERSEUS_TCP_ADDRESSES"]
+    assert chosen.endswith("127.0.0.1:31000,127.0.0.1:31001")
+
+
+@pytest.mark.parametrize("changes", [
+    {"SLURM_STEP_ID": None}, {"PMIX_RANK": "3"}, {"PMI_SIZE": "4"},
+    {"OMPI_COMM_WORLD_SIZE": "4"}, {"PERSEUS_CONTROLLER": "mpi"},
+    {"TF_CONFIG": '{"cluster": {}}'}, {"PERSEUS_TCP_ADDRESSES": "a:1"},
+], ids=["batch-script", "pmix", "pmi2", "mpirun", "forced-mpi", "tf-config", "perseusrun-tcp"])
+def test_slurm_variables_are_ignored_where_something_else_says_who_is_which_rank(changes):
+    assert slurm_tcp_settings(step_env(**changes)) == {}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"SLURM_STEP_NUM_TASKS": "5"}, "places 4 task(s) on 2 node(s), but SLURM_STEP_NUM_TASKS=5"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,1"}, "SLURM_NODEID=1 SLURM_LOCALID=1, but the block"),
+    ({"SLURM_STEP_NODELIST": "localhost,no-such-node.invalid"},
+     "node 'no-such-node.invalid' of SLURM_STEP_NODELIST does not resolve"),
+    ({"PERSEUS_SECRET": None},
+     "export PERSEUS_SECRET before srun (srun forwards it), or set PERSEUS_SECRET_FILE"),
+    ({"PERSEUS_SECRET": None, "PERSEUS_SECRET_FILE": "/no/such/dir/secret"},
+     "its directory /no/such/dir does not exist on this node"),
+    ({"PERSEUS_SLURM_PORT": "65535"}, "PERSEUS_SLURM_PORT='65535'"),
+])
+def test_a_bad_allocation_is_an_error_naming_the_task_and_the_variable(changes, message):
+    with pytest.raises(SlurmEnvironmentError) as error:
+        slurm_tcp_settings(step_env(**changes))
+    assert message in str(error.value) and "Slurm task 3 (job 42)" in str(error.value)
+
+
+def test_the_secret_is_read_from_a_file_in_a_shared_directory(tmp_path):
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    env = step_env(PERSEUS_SECRET=None, PERSEUS_SECRET_FILE=str(tmp_path / "secret"))
+    assert slurm_tcp_settings(env)["PERSEUS_SECRET"] == SECRET
+
+
+# ---- a real Slurm on emulated hosts ------------------------------------------------------------
+
+def _why_no_slurm() -> str | None:
+    try:
+        emulate_slurm.check_requirements()
+    except emulate.EmulationError as exc:
+        return str(exc)
+    return None
+
+
+needs_slurm = pytest.mark.skipif(_why_no_slurm() is not None, reason=f"{_why_no_slurm()}")
+
+
+def _namespaces_of_this_process() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    tag = f"{emulate.TAG_PREFIX}{os.getpid()}x"
+    return [line.split()[0] for line in out.splitlines() if line.startswith(tag)]
+
+
+@pytest.fixture
+def cluster():
+    """A 2-node emulated Slurm cluster for one test; nothing of it is left afterwards."""
+    with emulate_slurm.slurm_cluster(2, cpus_per_node=2) as running:
+        yield running
+    assert _namespaces_of_this_process() == []
+
+
+def run_on_login_node(cluster: emulate_slurm.SlurmCluster, argv: list[str],
+                      env: dict | None = None, expect_failure: bool = False,
+                      timeout: float = JOB_TIMEOUT) -> str:
+    """Runs a Slurm client command on the login node from ROOT; its output (stdout + stderr)."""
+    try:
+        proc = cluster.run(argv, env=launch_env(env), timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.output or ""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        raise AssertionError(f"{' '.join(argv)} hung past {timeout} s:\n{out}\n"
+                             f"{cluster.logs()}") from None
+    if (proc.returncode != 0) != expect_failure:
+        raise AssertionError(f"{' '.join(argv)}\nexit {proc.returncode}. Error lines:\n"
+                             f"{failure_summary(proc.stdout)}\nOutput:\n{proc.stdout}\n"
+                             f"{cluster.logs()}")
+    return proc.stdout
+
+
+def assert_trained_on_two_nodes(out: str, cluster: emulate_slurm.SlurmCluster,
+                                controller: str) -> None:
+    for rank in range(4):
+        node = cluster.node_names[rank // 2]
+        assert f"[rank {rank}] layout host={node} controller={controller} " \
+               f"local_rank={rank % 2} cross_rank={rank // 2}" in out, out
+        assert f"[rank {rank}] slurm training OK on {node}" in out, out
+
+
+def srun(*options: str, kill_on_bad_exit: bool = True) -> list[str]:
+    return ["srun", "-N2", "--ntasks-per-node=2", f"--kill-on-bad-exit={int(kill_on_bad_exit)}",
+            *map(str, options)]
+
+
+@needs_slurm
+def test_the_emulated_nodes_are_slurm_nodes_named_by_their_hostnames(cluster):
+    out = run_on_login_node(cluster, srun("--label", "hostname"), timeout=60)
+    names = sorted(line.split(": ")[1] for line in out.splitlines() if ": " in line)
+    assert names == sorted(cluster.node_names * 2), out
+    listed = run_on_login_node(cluster, ["scontrol", "show", "hostnames",
+                                         f"{cluster.node_names[0][:-1]}[0-1]"], timeout=60)
+    assert listed.split() == cluster.node_names == perseus_env.expand_hostlist(
+        f"{cluster.node_names[0][:-1]}[0-1]")
+
+
+@needs_slurm
+def test_srun_without_mpi_trains_over_tcp_like_one_process(cluster):
+    """srun -N2 --ntasks-per-node=2 python train.py: no MPI, no launcher; the tasks form the TCP
+    controller from SLURM_PROCID/SLURM_STEP_NODELIST/... and a secret file in the shared
+    directory; local/cross ranks follow the nodes; Adam ends where one process ends."""
+    secret = cluster.directory / "secret"
+    secret.write_text(SECRET)
+    out = run_on_login_node(
+        cluster, srun(sys.executable, TRAIN, "tcp", 2, 2, cluster.directory / "tcp"),
+        env={"PERSEUS_SECRET_FILE": str(secret)})
+    assert_trained_on_two_nodes(out, cluster, "tcp")
+
+
+@needs_slurm
+def test_srun_mpi_pmix_trains_over_mpi_like_one_process(cluster):
+    """srun --mpi=pmix: Slurm's PMIx server (Debian's libpmix2 4.2) starts the Open MPI 5 wheel's
+    ranks; they take the MPI controller; pmi2 is no choice (Open MPI 5 speaks only PMIx)."""
+    out = run_on_login_node(
+        cluster, srun("--mpi=pmix", sys.executable, TRAIN, "mpi", 2, 2,
+                      cluster.directory / "mpi"))
+    assert_trained_on_two_nodes(out, cluster, "mpi")
+
+
+@needs_slurm
+def test_a_missing_secret_directory_is_named_by_every_task(cluster):
+    missing = cluster.directory / "not-shared" / "secret"
+    out = run_on_login_node(
+        cluster, srun(sys.executable, "-c", "import perseus_legacy; perseus_legacy.init()",
+                      kill_on_bad_exit=False),
+        env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(missing)}, expect_failure=True)
+    for rank in range(4):
+        assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{missing}'" in out, \
+            out
+    assert out.count(f"its directory {missing.parent} does not exist on this node") == 4, out
