@@ -173,8 +173,8 @@ def slurm_base_port(env: Mapping[str, str], most_local: int, where: str = "Slurm
         return int(text)
     if most_local > SLURM_PORT_BLOCK:
         raise SlurmEnvironmentError(
-            f"{where}: {most_local} tasks on one node exceed the {SLURM_PORT_BLOCK} ports a step gets by "
-            f"default; set {SLURM_PORT_VARIABLE} to a free port range's first port")
+            f"{where}: {most_local} tasks on one node exceed the {SLURM_PORT_BLOCK} ports a step "
+            f"gets by default; set {SLURM_PORT_VARIABLE} to a free port range's first port")
     job = _int_variable(env, "SLURM_JOB_ID", where)
     step = _int_variable(env, "SLURM_STEP_ID", where)
     return SLURM_PORT_FIRST + ((job * 8 + step) % SLURM_PORT_BLOCKS) * SLURM_PORT_BLOCK

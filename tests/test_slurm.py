@@ -2,10 +2,11 @@
 TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
 inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
 
-The rules that turn a Slurm step's variables into ranks (perseus_env.py) are tested first,
-without a cluster. The cluster needs root, iproute2 and the packages slurm-wlm, munge and
-libpmix-dev (`make slurm-packages`); without them its tests are skipped with the reason. Every
-cluster is started by the test that uses it and stopped (daemons, namespaces, files) after it.
+The rules that turn a Slurm step's variables into ranks (perseus_env.py) and perseusrun's rules
+in an allocation are tested first, without a cluster. The cluster needs root, iproute2 and the
+packages slurm-wlm, munge and libpmix-dev (`make slurm-packages`); without them its tests are
+skipped with the reason. Every cluster is started by the test that uses it and stopped
+(daemons, namespaces, files) after it.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT, failure_summary, launch_env
+from harness import BIN, ROOT, failure_summary, launch_env
 
 import perseus_env
 from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
-from perseusrun import emulate, emulate_slurm
+from perseusrun import emulate, emulate_slurm, launch, slurm_run
 
+PERSEUSRUN = str(BIN / "perseusrun")
 TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
 SECRET = "slurm-test-secret-0123456789"
 JOB_TIMEOUT = 240
@@ -213,3 +215,56 @@ def test_a_missing_secret_directory_is_named_by_every_task(cluster):
         assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{missing}'" in out, \
             out
     assert out.count(f"its directory {missing.parent} does not exist on this node") == 4, out
+
+
+@needs_slurm
+@pytest.mark.parametrize("controller", ["mpi", "tcp"])
+def test_sbatch_script_with_perseusrun_runs_on_the_allocation_without_hosts(cluster, controller):
+    """An sbatch script calls `perseusrun python train.py` with no -H and no -np: the launcher
+    reads the allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE) and starts 4 ranks with
+    mpirun --host (Open MPI reaches the other node through srun), or with --tcp one srun step
+    of tasks that form the TCP controller with the secret perseusrun exported."""
+    shared = cluster.directory / controller
+    script = cluster.directory / "job.sh"
+    tcp = "--tcp " if controller == "tcp" else ""
+    script.write_text("#!/bin/sh\n"
+                      f"exec {PERSEUSRUN} -v {tcp}--timeout {JOB_TIMEOUT - 40} "
+                      f"{sys.executable} {TRAIN} {controller} 2 2 {shared}\n")
+    output = cluster.directory / "job.out"
+    run_on_login_node(cluster, ["sbatch", "--wait", "-N2", "--ntasks-per-node=2",
+                                f"--output={output}", str(script)])
+    out = output.read_text()
+    assert_trained_on_two_nodes(out, cluster, controller)
+    if controller == "tcp":
+        assert "srun --ntasks=4 --distribution=block --mpi=none" in out, out
+    else:
+        assert f"--host {cluster.node_names[0]}:2,{cluster.node_names[1]}:2" in out, out
+
+
+# ---- perseusrun in an allocation, no cluster ---------------------------------------------------
+
+BATCH_ENV = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+             "SLURM_TASKS_PER_NODE": "2(x2)", "PATH": os.environ["PATH"]}
+
+
+def test_perseusrun_in_an_allocation_takes_its_nodes_and_slots_and_not_in_a_step():
+    args = launch.parse_args(["python", "train.py"])
+    assert launch.choose_backend(args, BATCH_ENV) is slurm_run
+    assert slurm_run.allocation_hosts(BATCH_ENV) == [("n1", 2), ("n2", 2)]
+    assert launch.choose_backend(args, dict(BATCH_ENV, SLURM_STEP_ID="0")) is not slurm_run
+    with_hosts = launch.parse_args(["-H", "a:2", "python", "train.py"])
+    assert launch.choose_backend(with_hosts, BATCH_ENV) is not slurm_run
+    run = slurm_run.prepare(args, dict(BATCH_ENV))
+    assert args.np == 4 and args.hosts == "n1:2,n2:2" and callable(run)
+
+
+def test_perseusrun_in_a_bad_allocation_exits_2_naming_it(capsys, monkeypatch):
+    for name, value in dict(BATCH_ENV, SLURM_TASKS_PER_NODE="2").items():
+        monkeypatch.setenv(name, value)
+    assert launch.main(["python", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "Slurm job 7: SLURM_TASKS_PER_NODE='2' gives 1 node(s) but SLURM_JOB_NODELIST=" \
+           "'n[1-2]' names 2" in err, err
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    assert launch.main(["--tcp", "-np", "5", "python", "train.py"]) == 2
+    assert "-np 5 needs 5 task slots but Slurm job 7 has n1:2,n2:2" in capsys.readouterr().err

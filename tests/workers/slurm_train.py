@@ -40,8 +40,12 @@ def check_layout(rank: int, size: int) -> None:
     if tf_config.controller_from_env() != CONTROLLER:
         fail(rank, f"the job chose the {tf_config.controller_from_env()} controller, expected "
                    f"{CONTROLLER}")
+    # Where Slurm started the ranks themselves (srun), its task ids are the ranks; under mpirun
+    # in an allocation they are those of the daemon step that srun started on each node.
     slurm = (os.environ.get("SLURM_LOCALID"), os.environ.get("SLURM_NODEID"))
-    if "SLURM_STEP_ID" in os.environ and slurm != (str(got[0]), str(got[2])):
+    slurm_placed = (os.environ.get("SLURM_PROCID"), os.environ.get("SLURM_STEP_NUM_TASKS")) == \
+        (str(rank), str(size))
+    if slurm_placed and slurm != (str(got[0]), str(got[2])):
         fail(rank, f"local_rank {got[0]}, cross_rank {got[2]}; Slurm says SLURM_LOCALID="
                    f"{slurm[0]} SLURM_NODEID={slurm[1]}")
 
