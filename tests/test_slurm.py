@@ -15,8 +15,17 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from harness import BIN, ROOT, failure_summary, launch_env
+from test_multihost import (
+    ATOL,
+    ESTIMATOR_TIMEOUT,
+    RTOL,
+    finish_reference,
+    load_values,
+    start_reference,
+)
 
 import perseus_env
 from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
@@ -24,6 +33,7 @@ from perseusrun import emulate, emulate_slurm, launch, slurm_run
 
 PERSEUSRUN = str(BIN / "perseusrun")
 TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
+ESTIMATOR = "tests/workers/est_distributed.py"
 SECRET = "slurm-test-secret-0123456789"
 JOB_TIMEOUT = 240
 
@@ -268,3 +278,36 @@ def test_perseusrun_in_a_bad_allocation_exits_2_naming_it(capsys, monkeypatch):
     monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
     assert launch.main(["--tcp", "-np", "5", "python", "train.py"]) == 2
     assert "-np 5 needs 5 task slots but Slurm job 7 has n1:2,n2:2" in capsys.readouterr().err
+
+
+@needs_slurm
+def test_srun_without_mpi_estimator_run_config_and_train_and_evaluate_like_one_process(
+        cluster, tmp_path):
+    """tests/workers/est_distributed.py (custom model_fn with and without estimator_hooks(), a
+    DNNClassifier, retraining from rank 0's checkpoint, train_and_evaluate with rank 0
+    evaluating) under srun without MPI: every rank's variables equal the single-process
+    reference's and each other's, rank 0's checkpoint too."""
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference = start_reference(ESTIMATOR, reference_dir, "reference")
+    out = cluster.directory / "estimator"
+    out.mkdir()
+    try:
+        run_on_login_node(cluster, srun(sys.executable, ROOT / ESTIMATOR, out, "distributed"),
+                          env={"PERSEUS_SECRET": SECRET}, timeout=ESTIMATOR_TIMEOUT)
+    finally:
+        expected = finish_reference(reference, reference_dir)
+    ranks = [load_values(out / f"rank{r}.npz") for r in range(4)]
+    compared = [k for k in expected if not k.startswith(("checkpoint/", "train_eval/"))]
+    assert compared, sorted(expected)
+    for rank, values in enumerate(ranks):
+        for name in compared:
+            np.testing.assert_allclose(values[name], expected[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank}: {name}")
+            np.testing.assert_array_equal(values[name], ranks[0][name],
+                                          err_msg=f"rank {rank} differs from rank 0: {name}")
+    checkpoint = [k for k in expected if k.startswith("checkpoint/")]
+    assert checkpoint, sorted(expected)
+    for name in checkpoint:
+        np.testing.assert_allclose(ranks[0][name], expected[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
