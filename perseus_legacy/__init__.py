@@ -88,6 +88,7 @@ from perseus_legacy.ops import (  # noqa: F401
     size_op,
 )
 from perseus_legacy.optimizer import DistributedOptimizer, SyncReplicasOptimizer  # noqa: F401
+from perseus_legacy.preemption import PreemptionHook  # noqa: F401
 from perseus_legacy.process_sets import (  # noqa: F401
     ProcessSet,
     add_process_set,

@@ -12,12 +12,21 @@ skipped with the reason. Every cluster is started by the test that uses it and s
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 from harness import BIN, ROOT, failure_summary, launch_env
+from test_faults import (
+    CHECKPOINT_WORKER,
+    assert_resumed,
+    assert_whole_checkpoints,
+    checkpoint_worker,  # noqa: F401 (a fixture)
+    trajectory,
+)
 from test_multihost import (
     ATOL,
     ESTIMATOR_TIMEOUT,
@@ -34,6 +43,7 @@ from perseusrun import emulate, emulate_slurm, launch, slurm_run
 PERSEUSRUN = str(BIN / "perseusrun")
 TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
 ESTIMATOR = "tests/workers/est_distributed.py"
+PREEMPTED_STEP = 5  # tests/workers/slurm_preempt.py's WAIT_STEP + 1
 SECRET = "slurm-test-secret-0123456789"
 JOB_TIMEOUT = 240
 
@@ -311,3 +321,68 @@ def test_srun_without_mpi_estimator_run_config_and_train_and_evaluate_like_one_p
     for name in checkpoint:
         np.testing.assert_allclose(ranks[0][name], expected[name], rtol=RTOL, atol=ATOL,
                                    err_msg=name)
+
+
+@needs_slurm
+def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_checkpoint(
+        cluster, checkpoint_worker):  # noqa: F811 (test_faults' fixture)
+    """An Estimator job with PreemptionHook gets `scancel --signal=USR1` mid-training: every
+    rank stops after the same step and exits 0 saying so, rank 0's checkpoint of that step is
+    whole (no temporary files, the `checkpoint` file names it), and a rerun resumes from it
+    and ends where one uninterrupted process on the global batch ends."""
+    worker, tf = checkpoint_worker
+    model_dir = cluster.directory / "model"
+    env = {"PERSEUS_SECRET": SECRET}
+    argv = srun(sys.executable, ROOT / "tests" / "workers" / "slurm_preempt.py", model_dir)
+    job = subprocess.Popen(cluster.command(argv), env=cluster.env(launch_env(env)), cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _lines(job.stdout)
+    seen: list[str] = []
+    try:
+        while sum("waiting for the preemption signal" in line for line in seen) < 4:
+            line = lines.get(timeout=JOB_TIMEOUT)
+            assert line is not None, "".join(seen)
+            seen.append(line)
+        job_id = run_on_login_node(cluster, ["squeue", "--noheader", "--format=%i"]).split()
+        assert len(job_id) == 1, job_id
+        run_on_login_node(cluster, ["scancel", "--signal=USR1", job_id[0]])
+        assert job.wait(timeout=JOB_TIMEOUT) == 0, "".join(seen) + "".join(_drain(lines))
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    out = "".join(seen + _drain(lines))
+    stop = PREEMPTED_STEP
+    for rank in range(4):
+        assert f"[rank {rank}] PREEMPTED by SIGUSR1 at step {stop}" in out, out
+        assert f"perseus_legacy[rank {rank}]: preempted by SIGUSR1: training stopped on every " \
+               f"rank after global step {stop}" in out, out
+    expected = trajectory(worker)
+    assert not [f for f in os.listdir(model_dir) if "temp" in f], os.listdir(model_dir)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, stop], expected)
+
+    rerun = cluster.directory / "rerun"
+    rerun.mkdir()
+    run_on_login_node(cluster, srun(sys.executable, ROOT / CHECKPOINT_WORKER, model_dir, rerun,
+                                    "resume"), env=env)
+    assert_resumed(rerun, stop, expected, ranks=4)
+
+
+def _lines(stream) -> queue.Queue:
+    """The stream's lines as they arrive, then None at its end."""
+    found: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            found.put(line)
+        found.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return found
+
+
+def _drain(lines: queue.Queue) -> list[str]:
+    rest = []
+    while (line := lines.get(timeout=30)) is not None:
+        rest.append(line)
+    return rest
