@@ -226,10 +226,12 @@ def test_srun_mpi_pmix_trains_over_mpi_like_one_process(cluster):
 
 @needs_slurm
 def test_a_missing_secret_directory_is_named_by_every_task(cluster):
+    """Each task of a real step reads its own variables and names the problem. (What init()
+    reads, without its TensorFlow start-up: the srun tests above go through init().)"""
     missing = cluster.directory / "not-shared" / "secret"
+    reads = "import os, perseus_env; perseus_env.slurm_tcp_settings(os.environ)"
     out = run_on_login_node(
-        cluster, srun(sys.executable, "-c", "import perseus_legacy; perseus_legacy.init()",
-                      kill_on_bad_exit=False),
+        cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
         env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(missing)}, expect_failure=True)
     for rank in range(4):
         assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{missing}'" in out, \
