@@ -49,8 +49,11 @@ class SlurmCluster:
         self.node_names = [host.name for host in hosts]
 
     def env(self, base: dict | None = None) -> dict:
-        """`base` (default os.environ) with SLURM_CONF naming this cluster's configuration."""
-        env = dict(os.environ if base is None else base)
+        """`base` (default os.environ) without Slurm's job variables, with SLURM_CONF naming
+        this cluster's configuration."""
+        # A job of another Slurm (tests run inside an allocation) must not leak into this one.
+        env = {name: value for name, value in (os.environ if base is None else base).items()
+               if not name.startswith(("SLURM_", "SLURMD_"))}
         env["SLURM_CONF"] = str(self.conf)
         return env
 
