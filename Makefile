@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 NATIVE_SOURCES := $(wildcard ops/*/*.cc ops/*/*.h) setup.py
 
-.PHONY: venv build test compat-venvs tf215-ops demo bench lint clean
+.PHONY: venv build test compat-venvs tf215-ops slurm-packages demo bench lint clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements-dev.txt
@@ -20,7 +20,7 @@ $(VENV)/.built: $(VENV)/.installed $(NATIVE_SOURCES)
 	touch $@
 
 # Whole suite: native collectives under real mpirun/perseusrun launches, hooks, estimator matrix.
-test: build compat-venvs tf215-ops
+test: build compat-venvs tf215-ops slurm-packages
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q --timeout=900 tests
 
@@ -33,6 +33,18 @@ compat-venvs:
 	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
 	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-compile -r $<
 	touch $@
+
+# tests/test_slurm.py runs a real Slurm on emulated hosts: slurmctld and slurmd, munge, and the
+# PMIx library that Slurm's mpi/pmix plugin opens by its unversioned name (libpmix-dev has it).
+# Installed with apt-get where this runs as root (once; later runs only ask dpkg); elsewhere the
+# cluster tests are skipped with the reason.
+SLURM_PACKAGES := slurm-wlm munge libpmix-dev
+slurm-packages:
+	@if dpkg -s $(SLURM_PACKAGES) >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			--no-install-recommends $(SLURM_PACKAGES); \
+	else echo "slurm-packages: not root or no apt-get: the Slurm cluster tests will be skipped"; fi
 
 # The op library for TF 2.15 (another C++ ABI), against .venv-tf215's TensorFlow headers and
 # linked to the runtime library of `make build`; perseus_legacy/tensorflow/collectives.py picks it under TF 2.15.

@@ -111,14 +111,16 @@ from perseus_legacy.tf1.hooks import (
     broadcast_variables,
 )
 from perseus_legacy.tf1.optimizer import DistributedOptimizer, SyncReplicasOptimizer
+from perseus_legacy.tf1.preemption import PreemptionHook
 
 # The public API (tests/test_public_api.py checks it against docs/). SyncBatchNormalization is a
 # Keras layer: Keras is imported only when it is asked for (__getattr__).
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
     "DistributedOptimizer", "GraphRewriteError", "Max", "Min", "NotInitializedError",
-    "PartialDistributedGradientTape", "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
-    "SyncReplicasHook", "SyncReplicasOptimizer", "__version__", "add_process_set", "allgather",
+    "PartialDistributedGradientTape", "PreemptionHook", "ProcessSet", "Product", "Sum",
+    "SyncBatchNormalization", "SyncReplicasHook", "SyncReplicasOptimizer", "__version__",
+    "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_object_fn",
     "broadcast_variables", "ccl_built", "checkpoint_dir", "cross_rank", "cross_size",

@@ -31,7 +31,8 @@ QUIET_ENV = {
 
 
 def launch_env(extra: dict | None = None) -> dict:
-    env = dict(os.environ)
+    # Without a Slurm job's variables: inside an allocation perseusrun would run the ranks there.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SLURMD_"))}
     env.update(QUIET_ENV)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in [str(ROOT), str(WORKERS), env.get("PYTHONPATH", "")] if p)

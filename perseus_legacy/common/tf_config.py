@@ -17,10 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import perseus_env
-from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
+from perseus_env import ADDRESSES_VARIABLE, MPI_LAUNCHER_VARIABLES, RANK_VARIABLE
 
-# Any of these means an MPI launcher (mpirun, srun, hydra) started the process.
-MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 DEFAULT_START_TIMEOUT = 120.0
 # Task types that become ranks, in rank order; `master` is TF1's name for the chief.
 CHIEF_TYPES = ("chief", "master")
@@ -63,6 +61,11 @@ class Cluster:
     def is_chief(self) -> bool:
         """Rank 0: writes checkpoints and summaries, evaluates (without an evaluator), logs."""
         return self.rank == 0
+
+
+def _environ() -> Mapping[str, str]:
+    """os.environ with the PERSEUS_* settings that a Slurm step (srun without MPI) implies."""
+    return {**os.environ, **perseus_env.slurm_tcp_settings(os.environ)}
 
 
 def _excerpt(value: object, limit: int = 200) -> str:
@@ -192,7 +195,7 @@ def cluster_from_env(env: Mapping[str, str] | None = None) -> Cluster | None:
 
     `cluster_from_env().rank is None` answers "am I a rank?" for the evaluator.
     """
-    env = os.environ if env is None else env
+    env = _environ() if env is None else env
     addresses = perseus_env.read(ADDRESSES_VARIABLE, env)
     if addresses:
         return parse_perseus_variables(perseus_env.read(RANK_VARIABLE, env) or "", addresses)
@@ -212,13 +215,14 @@ def _parsed(rank_text: str | None, addresses_text: str | None,
 
 def current_cluster() -> Cluster | None:
     """This process's Cluster (cluster_from_env() of os.environ), parsed once."""
-    return _parsed(perseus_env.read(RANK_VARIABLE), perseus_env.read(ADDRESSES_VARIABLE),
-                   os.environ.get("TF_CONFIG"))
+    env = _environ()
+    return _parsed(perseus_env.read(RANK_VARIABLE, env), perseus_env.read(ADDRESSES_VARIABLE, env),
+                   env.get("TF_CONFIG"))
 
 
 def controller_from_env(env: Mapping[str, str] | None = None) -> str:
     """"mpi" or "tcp": PERSEUS_CONTROLLER if set; MPI under an MPI launcher; TCP with a cluster."""
-    env = os.environ if env is None else env
+    env = _environ() if env is None else env
     choice = perseus_env.read_choice("PERSEUS_CONTROLLER", ("mpi", "tcp"), "", env)
     if choice:
         return choice
@@ -240,6 +244,7 @@ MIN_SECRET_BYTES = 16
 
 def job_secret(env: Mapping[str, str] | None = None) -> str:
     """PERSEUS_SECRET, which every TCP rank must share; a clear error when missing or short."""
+    env = _environ() if env is None else env
     secret = perseus_env.read("PERSEUS_SECRET", env) or ""
     how = ("e.g. set it to the output of `python -c 'import secrets; print(secrets.token_hex(16))'`"
            " for every task (perseusrun --tcp creates one itself)")

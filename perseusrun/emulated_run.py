@@ -1,0 +1,98 @@
+"""The `--emulate-hosts N[:SLOTS]` backend: the job on N emulated hosts of this machine (see
+perseusrun.emulate), over mpirun or, with --tcp, one process per rank in its host's namespace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from collections.abc import Callable
+
+from perseusrun import emulate, mpi_run, tcp_run
+from perseusrun.job import UsageError, check_job_args, slot_count
+from perseusrun.supervise import STOP_SIGNALS
+
+# `--tcp --emulate-hosts`: local rank i of every emulated host listens on this port + i (the
+# hosts' network namespaces are new: nothing else listens there).
+EMULATED_TCP_PORT = 29500
+
+
+def parse_emulated_hosts(spec: str) -> tuple[int, int]:
+    """`--emulate-hosts N[:SLOTS]` -> (N, SLOTS)."""
+    count, _, slots = spec.partition(":")
+    return (slot_count(count, f"--emulate-hosts {spec}"),
+            slot_count(slots or "1", f"--emulate-hosts {spec}"))
+
+
+def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
+    """(hosts, slots) of --emulate-hosts; sets -np's default to all slots."""
+    if args.hosts or args.hostfile:
+        raise UsageError("--emulate-hosts makes its own hosts: drop -H/--hostfile")
+    count, slots = parse_emulated_hosts(args.emulate_hosts)
+    if args.np is None:
+        args.np = count * slots
+    if args.tcp and args.np > count * slots:
+        raise UsageError(f"-np {args.np} needs {args.np} slots but --emulate-hosts "
+                         f"{args.emulate_hosts} gives {count * slots}")
+    try:
+        emulate.check_requirements(args.link_rate)
+        if args.link_rate:
+            emulate.rate_bytes_per_second(args.link_rate)
+    except emulate.EmulationError as exc:
+        raise UsageError(str(exc)) from None
+    check_job_args(args)
+    if args.tcp:
+        tcp_run.check_tcp_args(args)
+    return count, slots
+
+
+class _Stopped(BaseException):
+    """A stop signal while emulated hosts are built: unwinds so that they are removed."""
+
+
+def _raise_stopped(signum: int, _frame: object) -> None:
+    raise _Stopped(signum)
+
+
+def _run_on(hosts: emulate.EmulatedHosts, slots: int, args: argparse.Namespace,
+            env: dict) -> int:
+    if args.tcp:
+        placed = [hosts[rank // slots] for rank in range(args.np)]
+        addresses = [f"{host.address}:{EMULATED_TCP_PORT + rank % slots}"
+                     for rank, host in enumerate(placed)]
+        envs = tcp_run.tcp_rank_envs(args, env, addresses)
+        return tcp_run.run_ranks(args.program, envs, args,
+                                 wrap=lambda rank, program: placed[rank].command(program))
+    args.hosts = ",".join(f"{host.address}:{slots}" for host in hosts)
+    cmd = mpi_run.build_mpirun_command(args, env, hosts.mpirun_args())
+    return mpi_run.run_mpirun(cmd, env, args)
+
+
+def run_emulated(args: argparse.Namespace, env: dict, count: int, slots: int) -> int:
+    """Builds the emulated hosts, runs the job across them, removes them whatever happens."""
+    previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
+    try:
+        with emulate.emulated_hosts(count, args.link_rate) as hosts:
+            if args.verbose:
+                listed = ", ".join(f"{h.name}={h.address}" for h in hosts)
+                print(f"perseusrun: {count} emulated hosts with {slots} slots on {hosts.subnet}:"
+                      f" {listed}", file=sys.stderr, flush=True)
+            return _run_on(hosts, slots, args, env)
+    except _Stopped as stop:
+        return 128 + stop.args[0]
+    except (emulate.EmulationError, UsageError) as exc:
+        print(f"perseusrun: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def prepare(args: argparse.Namespace, env: dict) -> Callable[[], int]:
+    """Backend interface (see perseusrun.job): the job across emulated hosts."""
+    count, slots = check_emulation_args(args)
+    return lambda: run_emulated(args, env, count, slots)
+
+
+

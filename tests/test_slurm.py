@@ -1,0 +1,390 @@
+"""Jobs under a real Slurm on emulated hosts (perseusrun/emulate_slurm.py): srun without MPI (the
+TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
+inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
+
+The rules that turn a Slurm step's variables into ranks (perseus_env.py) and perseusrun's rules
+in an allocation are tested first, without a cluster. The cluster needs root, iproute2 and the
+packages slurm-wlm, munge and libpmix-dev (`make slurm-packages`); without them its tests are
+skipped with the reason. Every cluster is started by the test that uses it and stopped
+(daemons, namespaces, files) after it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from harness import BIN, ROOT, failure_summary, launch_env
+from test_faults import (
+    CHECKPOINT_WORKER,
+    assert_resumed,
+    assert_whole_checkpoints,
+    checkpoint_worker,  # noqa: F401 (a fixture)
+    trajectory,
+)
+from test_multihost import (
+    ATOL,
+    ESTIMATOR_TIMEOUT,
+    RTOL,
+    finish_reference,
+    load_values,
+    start_reference,
+)
+
+import perseus_env
+from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
+from perseusrun import emulate, emulate_slurm, launch, slurm_run
+
+PERSEUSRUN = str(BIN / "perseusrun")
+TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
+ESTIMATOR = "tests/workers/est_distributed.py"
+PREEMPTED_STEP = 5  # tests/workers/slurm_preempt.py's WAIT_STEP + 1
+SECRET = "slurm-test-secret-0123456789"
+JOB_TIMEOUT = 240
+
+
+# ---- Slurm's variables -> ranks, no cluster ----------------------------------------------------
+
+@pytest.mark.parametrize("text,expected", [
+    ("node7", ["node7"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("n[08-11,20],login", ["n08", "n09", "n10", "n11", "n20", "login"]),
+    ("r[1-2]c[3,5]", ["r1c3", "r1c5", "r2c3", "r2c5"]),
+    ("a-1,b[0-1]-x", ["a-1", "b0-x", "b1-x"]),
+])
+def test_host_lists_expand_as_scontrol_show_hostnames(text, expected):
+    assert perseus_env.expand_hostlist(text) == expected
+
+
+@pytest.mark.parametrize("text", ["n[1-", "n[3-1]", "n[a]", "n]1["])
+def test_a_malformed_host_list_is_named(text):
+    with pytest.raises(SlurmEnvironmentError, match="host list"):
+        perseus_env.expand_hostlist(text)
+
+
+def test_tasks_per_node_and_the_block_and_cyclic_placements():
+    assert perseus_env.expand_tasks_per_node("2(x2),1") == [2, 2, 1]
+    assert perseus_env.slurm_placement([2, 1]) == [(0, 0), (0, 1), (1, 0)]
+    assert perseus_env.slurm_placement([2, 1], "cyclic:block") == [(0, 0), (1, 0), (0, 1)]
+    with pytest.raises(SlurmEnvironmentError, match="SLURM_DISTRIBUTION='plane=2'"):
+        perseus_env.slurm_placement([2, 2], "plane=2")
+
+
+def step_env(**changes: str | None) -> dict:
+    """Task 3 of a step of job 42 on 2 nodes x 2 tasks (localhost's names: they resolve)."""
+    env = {"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3",
+           "SLURM_STEP_NUM_TASKS": "4", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
+           "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "localhost,127.0.0.1",
+           "SLURM_STEP_TASKS_PER_NODE": "2(x2)", "PERSEUS_SECRET": SECRET}
+    env.update(changes)
+    return {k: v for k, v in env.items() if v is not None}
+
+
+def test_a_step_without_mpi_gives_rank_addresses_from_nodes_and_local_ids():
+    settings = slurm_tcp_settings(step_env())
+    port = perseus_env.SLURM_PORT_FIRST + (42 * 8) % perseus_env.SLURM_PORT_BLOCKS * 64
+    assert settings == {
+        "PERSEUS_CONTROLLER": "tcp", "PERSEUS_TCP_RANK": "3", "PERSEUS_SECRET": SECRET,
+        "PERSEUS_TCP_ADDRESSES": f"localhost:{port},localhost:{port + 1},"
+                                 f"127.0.0.1:{port},127.0.0.1:{port + 1}"}
+    # Another step of the job gets other ports; PERSEUS_SLURM_PORT chooses them.
+    other = slurm_tcp_settings(step_env(SLURM_STEP_ID="1"))["PERSEUS_TCP_ADDRESSES"]
+    assert f":{port + 64}," in other
+    chosen = slurm_tcp_settings(step_env(PERSEUS_SLURM_PORT="31000"))["PERSEUS_TCP_ADDRESSES"]
+    assert chosen.endswith("127.0.0.1:31000,127.0.0.1:31001")
+
+
+@pytest.mark.parametrize("changes", [
+    {"SLURM_STEP_ID": None}, {"PMIX_RANK": "3"}, {"PMI_SIZE": "4"},
+    {"OMPI_COMM_WORLD_SIZE": "4"}, {"PERSEUS_CONTROLLER": "mpi"},
+    {"TF_CONFIG": '{"cluster": {}}'}, {"PERSEUS_TCP_ADDRESSES": "a:1"},
+], ids=["batch-script", "pmix", "pmi2", "mpirun", "forced-mpi", "tf-config", "perseusrun-tcp"])
+def test_slurm_variables_are_ignored_where_something_else_says_who_is_which_rank(changes):
+    assert slurm_tcp_settings(step_env(**changes)) == {}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"SLURM_STEP_NUM_TASKS": "5"}, "places 4 task(s) on 2 node(s), but SLURM_STEP_NUM_TASKS=5"),
+    ({"SLURM_STEP_TASKS_PER_NODE": "3,1"}, "SLURM_NODEID=1 SLURM_LOCALID=1, but the block"),
+    ({"SLURM_STEP_NODELIST": "localhost,no-such-node.invalid"},
+     "node 'no-such-node.invalid' of SLURM_STEP_NODELIST does not resolve"),
+    ({"PERSEUS_SECRET": None},
+     "export PERSEUS_SECRET before srun (srun forwards it), or set PERSEUS_SECRET_FILE"),
+    ({"PERSEUS_SECRET": None, "PERSEUS_SECRET_FILE": "/no/such/dir/secret"},
+     "its directory /no/such/dir does not exist on this node"),
+    ({"PERSEUS_SLURM_PORT": "65535"}, "PERSEUS_SLURM_PORT='65535'"),
+])
+def test_a_bad_allocation_is_an_error_naming_the_task_and_the_variable(changes, message):
+    with pytest.raises(SlurmEnvironmentError) as error:
+        slurm_tcp_settings(step_env(**changes))
+    assert message in str(error.value) and "Slurm task 3 (job 42)" in str(error.value)
+
+
+def test_the_secret_is_read_from_a_file_in_a_shared_directory(tmp_path):
+    (tmp_path / "secret").write_text(SECRET + "\n")
+    env = step_env(PERSEUS_SECRET=None, PERSEUS_SECRET_FILE=str(tmp_path / "secret"))
+    assert slurm_tcp_settings(env)["PERSEUS_SECRET"] == SECRET
+
+
+# ---- a real Slurm on emulated hosts ------------------------------------------------------------
+
+def _why_no_slurm() -> str | None:
+    try:
+        emulate_slurm.check_requirements()
+    except emulate.EmulationError as exc:
+        return str(exc)
+    return None
+
+
+needs_slurm = pytest.mark.skipif(_why_no_slurm() is not None, reason=f"{_why_no_slurm()}")
+
+
+def _namespaces_of_this_process() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    tag = f"{emulate.TAG_PREFIX}{os.getpid()}x"
+    return [line.split()[0] for line in out.splitlines() if line.startswith(tag)]
+
+
+@pytest.fixture
+def cluster():
+    """A 2-node emulated Slurm cluster for one test; nothing of it is left afterwards."""
+    with emulate_slurm.slurm_cluster(2, cpus_per_node=2) as running:
+        yield running
+    assert _namespaces_of_this_process() == []
+
+
+def run_on_login_node(cluster: emulate_slurm.SlurmCluster, argv: list[str],
+                      env: dict | None = None, expect_failure: bool = False,
+                      timeout: float = JOB_TIMEOUT) -> str:
+    """Runs a Slurm client command on the login node from ROOT; its output (stdout + stderr)."""
+    try:
+        proc = cluster.run(argv, env=launch_env(env), timeout=timeout, cwd=ROOT)
+    except subprocess.TimeoutExpired as exc:
+        out = exc.output or ""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        raise AssertionError(f"{' '.join(argv)} hung past {timeout} s:\n{out}\n"
+                             f"{cluster.logs()}") from None
+    if (proc.returncode != 0) != expect_failure:
+        raise AssertionError(f"{' '.join(argv)}\nexit {proc.returncode}. Error lines:\n"
+                             f"{failure_summary(proc.stdout)}\nOutput:\n{proc.stdout}\n"
+                             f"{cluster.logs()}")
+    return proc.stdout
+
+
+def assert_trained_on_two_nodes(out: str, cluster: emulate_slurm.SlurmCluster,
+                                controller: str) -> None:
+    for rank in range(4):
+        node = cluster.node_names[rank // 2]
+        assert f"[rank {rank}] layout host={node} controller={controller} " \
+               f"local_rank={rank % 2} cross_rank={rank // 2}" in out, out
+        assert f"[rank {rank}] slurm training OK on {node}" in out, out
+
+
+def srun(*options: str, kill_on_bad_exit: bool = True) -> list[str]:
+    return ["srun", "-N2", "--ntasks-per-node=2", f"--kill-on-bad-exit={int(kill_on_bad_exit)}",
+            *map(str, options)]
+
+
+@needs_slurm
+def test_the_emulated_nodes_are_slurm_nodes_named_by_their_hostnames(cluster):
+    out = run_on_login_node(cluster, srun("--label", "hostname"), timeout=60)
+    names = sorted(line.split(": ")[1] for line in out.splitlines() if ": " in line)
+    assert names == sorted(cluster.node_names * 2), out
+    listed = run_on_login_node(cluster, ["scontrol", "show", "hostnames",
+                                         f"{cluster.node_names[0][:-1]}[0-1]"], timeout=60)
+    assert listed.split() == cluster.node_names == perseus_env.expand_hostlist(
+        f"{cluster.node_names[0][:-1]}[0-1]")
+
+
+@needs_slurm
+def test_srun_without_mpi_trains_over_tcp_like_one_process(cluster):
+    """srun -N2 --ntasks-per-node=2 python train.py: no MPI, no launcher; the tasks form the TCP
+    controller from SLURM_PROCID/SLURM_STEP_NODELIST/... and a secret file in the shared
+    directory; local/cross ranks follow the nodes; Adam ends where one process ends."""
+    secret = cluster.directory / "secret"
+    secret.write_text(SECRET)
+    out = run_on_login_node(
+        cluster, srun(sys.executable, TRAIN, "tcp", 2, 2, cluster.directory / "tcp"),
+        env={"PERSEUS_SECRET_FILE": str(secret)})
+    assert_trained_on_two_nodes(out, cluster, "tcp")
+
+
+@needs_slurm
+def test_srun_mpi_pmix_trains_over_mpi_like_one_process(cluster):
+    """srun --mpi=pmix: Slurm's PMIx server (Debian's libpmix2 4.2) starts the Open MPI 5 wheel's
+    ranks; they take the MPI controller; pmi2 is no choice (Open MPI 5 speaks only PMIx)."""
+    out = run_on_login_node(
+        cluster, srun("--mpi=pmix", sys.executable, TRAIN, "mpi", 2, 2,
+                      cluster.directory / "mpi"))
+    assert_trained_on_two_nodes(out, cluster, "mpi")
+
+
+@needs_slurm
+def test_a_missing_secret_directory_is_named_by_every_task(cluster):
+    """Each task of a real step reads its own variables and names the problem. (What init()
+    reads, without its TensorFlow start-up: the srun tests above go through init().)"""
+    missing = cluster.directory / "not-shared" / "secret"
+    reads = "import os, perseus_env; perseus_env.slurm_tcp_settings(os.environ)"
+    out = run_on_login_node(
+        cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
+        env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(missing)}, expect_failure=True)
+    for rank in range(4):
+        assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{missing}'" in out, \
+            out
+    assert out.count(f"its directory {missing.parent} does not exist on this node") == 4, out
+
+
+@needs_slurm
+@pytest.mark.parametrize("controller", ["mpi", "tcp"])
+def test_sbatch_script_with_perseusrun_runs_on_the_allocation_without_hosts(cluster, controller):
+    """An sbatch script calls `perseusrun python train.py` with no -H and no -np: the launcher
+    reads the allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE) and starts 4 ranks with
+    mpirun --host (Open MPI reaches the other node through srun), or with --tcp one srun step
+    of tasks that form the TCP controller with the secret perseusrun exported."""
+    shared = cluster.directory / controller
+    script = cluster.directory / "job.sh"
+    tcp = "--tcp " if controller == "tcp" else ""
+    script.write_text("#!/bin/sh\n"
+                      f"exec {PERSEUSRUN} -v {tcp}--timeout {JOB_TIMEOUT - 40} "
+                      f"{sys.executable} {TRAIN} {controller} 2 2 {shared}\n")
+    output = cluster.directory / "job.out"
+    run_on_login_node(cluster, ["sbatch", "--wait", "-N2", "--ntasks-per-node=2",
+                                f"--output={output}", str(script)])
+    out = output.read_text()
+    assert_trained_on_two_nodes(out, cluster, controller)
+    if controller == "tcp":
+        assert "srun --ntasks=4 --distribution=block --mpi=none" in out, out
+    else:
+        assert f"--host {cluster.node_names[0]}:2,{cluster.node_names[1]}:2" in out, out
+
+
+# ---- perseusrun in an allocation, no cluster ---------------------------------------------------
+
+BATCH_ENV = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]",
+             "SLURM_TASKS_PER_NODE": "2(x2)", "PATH": os.environ["PATH"]}
+
+
+def test_perseusrun_in_an_allocation_takes_its_nodes_and_slots_and_not_in_a_step():
+    args = launch.parse_args(["python", "train.py"])
+    assert launch.choose_backend(args, BATCH_ENV) is slurm_run
+    assert slurm_run.allocation_hosts(BATCH_ENV) == [("n1", 2), ("n2", 2)]
+    assert launch.choose_backend(args, dict(BATCH_ENV, SLURM_STEP_ID="0")) is not slurm_run
+    with_hosts = launch.parse_args(["-H", "a:2", "python", "train.py"])
+    assert launch.choose_backend(with_hosts, BATCH_ENV) is not slurm_run
+    run = slurm_run.prepare(args, dict(BATCH_ENV))
+    assert args.np == 4 and args.hosts == "n1:2,n2:2" and callable(run)
+
+
+def test_perseusrun_in_a_bad_allocation_exits_2_naming_it(capsys, monkeypatch):
+    for name, value in dict(BATCH_ENV, SLURM_TASKS_PER_NODE="2").items():
+        monkeypatch.setenv(name, value)
+    assert launch.main(["python", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert "Slurm job 7: SLURM_TASKS_PER_NODE='2' gives 1 node(s) but SLURM_JOB_NODELIST=" \
+           "'n[1-2]' names 2" in err, err
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x2)")
+    assert launch.main(["--tcp", "-np", "5", "python", "train.py"]) == 2
+    assert "-np 5 needs 5 task slots but Slurm job 7 has n1:2,n2:2" in capsys.readouterr().err
+
+
+@needs_slurm
+def test_srun_without_mpi_estimator_run_config_and_train_and_evaluate_like_one_process(
+        cluster, tmp_path):
+    """tests/workers/est_distributed.py (custom model_fn with and without estimator_hooks(), a
+    DNNClassifier, retraining from rank 0's checkpoint, train_and_evaluate with rank 0
+    evaluating) under srun without MPI: every rank's variables equal the single-process
+    reference's and each other's, rank 0's checkpoint too."""
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference = start_reference(ESTIMATOR, reference_dir, "reference")
+    out = cluster.directory / "estimator"
+    out.mkdir()
+    try:
+        run_on_login_node(cluster, srun(sys.executable, ROOT / ESTIMATOR, out, "distributed"),
+                          env={"PERSEUS_SECRET": SECRET}, timeout=ESTIMATOR_TIMEOUT)
+    finally:
+        expected = finish_reference(reference, reference_dir)
+    ranks = [load_values(out / f"rank{r}.npz") for r in range(4)]
+    compared = [k for k in expected if not k.startswith(("checkpoint/", "train_eval/"))]
+    assert compared, sorted(expected)
+    for rank, values in enumerate(ranks):
+        for name in compared:
+            np.testing.assert_allclose(values[name], expected[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank}: {name}")
+            np.testing.assert_array_equal(values[name], ranks[0][name],
+                                          err_msg=f"rank {rank} differs from rank 0: {name}")
+    checkpoint = [k for k in expected if k.startswith("checkpoint/")]
+    assert checkpoint, sorted(expected)
+    for name in checkpoint:
+        np.testing.assert_allclose(ranks[0][name], expected[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+
+
+@needs_slurm
+def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_checkpoint(
+        cluster, checkpoint_worker):  # noqa: F811 (test_faults' fixture)
+    """An Estimator job with PreemptionHook gets `scancel --signal=USR1` mid-training: every
+    rank stops after the same step and exits 0 saying so, rank 0's checkpoint of that step is
+    whole (no temporary files, the `checkpoint` file names it), and a rerun resumes from it
+    and ends where one uninterrupted process on the global batch ends."""
+    worker, tf = checkpoint_worker
+    model_dir = cluster.directory / "model"
+    env = {"PERSEUS_SECRET": SECRET}
+    argv = srun(sys.executable, ROOT / "tests" / "workers" / "slurm_preempt.py", model_dir)
+    job = subprocess.Popen(cluster.command(argv), env=cluster.env(launch_env(env)), cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = _lines(job.stdout)
+    seen: list[str] = []
+    try:
+        while sum("waiting for the preemption signal" in line for line in seen) < 4:
+            line = lines.get(timeout=JOB_TIMEOUT)
+            assert line is not None, "".join(seen)
+            seen.append(line)
+        job_id = run_on_login_node(cluster, ["squeue", "--noheader", "--format=%i"]).split()
+        assert len(job_id) == 1, job_id
+        run_on_login_node(cluster, ["scancel", "--signal=USR1", job_id[0]])
+        assert job.wait(timeout=JOB_TIMEOUT) == 0, "".join(seen) + "".join(_drain(lines))
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    out = "".join(seen + _drain(lines))
+    stop = PREEMPTED_STEP
+    for rank in range(4):
+        assert f"[rank {rank}] PREEMPTED by SIGUSR1 at step {stop}" in out, out
+        assert f"perseus_legacy[rank {rank}]: preempted by SIGUSR1: training stopped on every " \
+               f"rank after global step {stop}" in out, out
+    expected = trajectory(worker)
+    assert not [f for f in os.listdir(model_dir) if "temp" in f], os.listdir(model_dir)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, stop], expected)
+
+    rerun = cluster.directory / "rerun"
+    rerun.mkdir()
+    run_on_login_node(cluster, srun(sys.executable, ROOT / CHECKPOINT_WORKER, model_dir, rerun,
+                                    "resume"), env=env)
+    assert_resumed(rerun, stop, expected, ranks=4)
+
+
+def _lines(stream) -> queue.Queue:
+    """The stream's lines as they arrive, then None at its end."""
+    found: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            found.put(line)
+        found.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return found
+
+
+def _drain(lines: queue.Queue) -> list[str]:
+    rest = []
+    while (line := lines.get(timeout=30)) is not None:
+        rest.append(line)
+    return rest
