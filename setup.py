@@ -149,6 +149,10 @@ setup(
     version=_version(),
     description="Synchronous data-parallel training for TensorFlow 1.x-style, Estimator and "
                 "Keras code",
+    # An SPDX expression (core metadata 2.4): setuptools deprecates the License classifiers.
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=["Programming Language :: Python :: 3", "Programming Language :: C++"],
     python_requires=">=3.9",
     packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
     py_modules=["perseus_env"],
