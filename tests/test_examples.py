@@ -21,20 +21,13 @@ import re
 import subprocess
 import sys
 
-from harness import ROOT, launch_env, run_ranks
+from harness import ROOT, accuracy_of, launch_env, run_ranks
 
-ACCURACY = re.compile(r"^test accuracy: ([0-9.]+)", re.MULTILINE)
 WEIGHTS = re.compile(r"^weights: ([0-9.e+-]+)$", re.MULTILINE)
 LOSS = re.compile(r"(?:final loss:|loss) ([0-9.]+)")
 WEIGHTS_RTOL = 1e-6
 ACCURACY_ATOL = 1.5 / 450
 LOSS_ATOL = 1.5e-4
-
-
-def accuracy_of(out: str) -> float:
-    found = ACCURACY.findall(out)
-    assert len(found) == 1, f"expected one accuracy line (rank 0 only):\n{out}"
-    return float(found[0])
 
 
 def run_reference(script: str, *args, timeout: float = 180) -> str:

@@ -20,14 +20,24 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import pytest
-from harness import BIN, ROOT, failure_summary, launch_env
-from test_multihost import _end, namespaces_of, needs_emulation, run_emulated, task_env
+from harness import (
+    CHECKPOINT_WORKER,
+    ROOT,
+    assert_resumed,
+    assert_whole_checkpoints,
+    end_processes,
+    failure_summary,
+    namespaces_of,
+    needs_emulation,
+    run_emulated,
+    run_perseusrun,
+    task_env,
+    trajectory,
+    wait_all,
+)
 
 from perseusrun import emulate, launch
 
-PERSEUSRUN = str(BIN / "perseusrun")
 WORKER = str(ROOT / "tests" / "workers" / "fault_rank.py")
 
 # MPI: the bound is PERSEUS_STALL_SHUTDOWN_SECS (the warning comes after the warning limit).
@@ -38,21 +48,6 @@ TCP_BOUND_SECS = 30
 # TCP: a killed process's connections are closed by its kernel; the peers fail at once.
 TCP_CLOSED_BOUND_SECS = 0
 MARGIN_SECS = 10
-
-
-def run_fault(options: list, args: list, env: dict | None = None, timeout: int = 150) -> tuple:
-    """Launches `python ARGS` under perseusrun OPTIONS; returns (exit code, output)."""
-    cmd = [PERSEUSRUN, *options, "--timeout", str(timeout), sys.executable, *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout + 60)  # perseusrun ends the job at `timeout`
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)}: the launcher outlived its timeout\n{out}") from None
-    assert not namespaces_of(proc.pid), out
-    return proc.returncode, out
 
 
 def assert_fault_named(out: str, survivor: int, lost: int, bound: float, where: str | None,
@@ -72,7 +67,7 @@ def assert_fault_named(out: str, survivor: int, lost: int, bound: float, where: 
 
 
 def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_bound():
-    code, out = run_fault(["-np", "2"], [WORKER, "stop"], MPI_LIMITS)
+    code, out = run_perseusrun(["-np", "2"], [WORKER, "stop"], MPI_LIMITS)
     assert code != 0, out
     assert re.search(r"perseus_legacy\[rank 0\]: WARNING: waiting \d+ s for rank 1 \(host \S+\) "
                      r"to answer", out), out
@@ -93,32 +88,28 @@ def test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host
     """Rank 0 fails within the bound and aborts the job; mpirun then cannot reach the cut host's
     daemon and would wait for it, so perseusrun ends the job ABORT_GRACE_SECONDS later with the
     abort's exit code, well before its --timeout (exit 124)."""
-    code, out = run_fault(["--emulate-hosts", "2"], [WORKER, "cut"], MPI_LIMITS, timeout=300)
+    code, out = run_perseusrun(["--emulate-hosts", "2"], [WORKER, "cut"], MPI_LIMITS, timeout=300)
     assert code == launch.ABORT_EXIT_CODE, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
 
 
 def test_tcp_frozen_rank_fails_the_others_within_the_silence_limit_naming_it():
-    code, out = run_fault(["--tcp", "-np", "2"], [WORKER, "stop"])
+    code, out = run_perseusrun(["--tcp", "-np", "2"], [WORKER, "stop"])
     assert code != 0, out
     assert_fault_named(out, 0, 1, TCP_BOUND_SECS, "127.0.0.1:")
 
 
 @needs_emulation
 def test_tcp_cut_link_fails_the_other_host_within_the_silence_limit_naming_rank_and_host():
-    code, out = run_fault(["--tcp", "--emulate-hosts", "2"], [WORKER, "cut"])
+    code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2"], [WORKER, "cut"])
     assert code != 0, out
     assert_fault_named(out, 0, 1, TCP_BOUND_SECS, ".2:")
 
 
 def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit():
-    cmd = [PERSEUSRUN, "-np", "2", "--timeout", "150", sys.executable,
-           str(ROOT / "tests" / "workers" / "fault_chief.py")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=launch_env({"PERSEUS_CHIEF_WAIT_SECS": "3"}),
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=210)
-    out = proc.stdout
-    assert proc.returncode not in (0, 124), out
+    code, out = run_perseusrun(["-np", "2"], [ROOT / "tests" / "workers" / "fault_chief.py"],
+                               {"PERSEUS_CHIEF_WAIT_SECS": "3"})
+    assert code not in (0, 124), out
     seen = re.search(r"\[rank 1\] CHIEF_WAIT_FAILED after ([\d.]+) s: (.*)", out)
     assert seen, out
     assert "PERSEUS_CHIEF_WAIT_SECS=3" in seen.group(2), seen.group(2)
@@ -127,90 +118,8 @@ def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit():
 
 # ---- checkpoints through a fault, and the rerun ------------------------------------------------
 
-CHECKPOINT_WORKER = "tests/workers/fault_checkpoint.py"
 CHECKPOINT_TIMEOUT = 240
-# float32 training (sums in another order on every rank) against float64 numpy, 12 steps of
-# values up to ~7: the measured gap is <= 3e-7. Resuming with lost Momentum slots, with the
-# batches of steps 0.. instead of 6.., or from fresh variables moves the final weights by >= 0.5.
-RTOL, ATOL = 1e-5, 1e-6
 TF_CONFIG_PORT = 2222
-
-
-@pytest.fixture(scope="module")
-def checkpoint_worker():
-    """The worker module (its steps, data and initial values) and tensorflow, for the checks."""
-    import perseus_legacy  # noqa: F401, I001 (first: it selects legacy Keras)
-    import tensorflow as tf
-    from workers import fault_checkpoint
-
-    return fault_checkpoint, tf
-
-
-def trajectory(worker) -> list:
-    """The variables after each step 0..TOTAL_STEPS of one uninterrupted process trained on the
-    global batch from the first run's rank 0 values: Momentum on the mean squared error, in
-    float64 numpy."""
-    x, y = (a.astype(np.float64) for a in worker.global_batches())
-    init = worker.initial_values(0, "cut")  # the same in every faulted phase
-    w, b = init["w"].astype(np.float64), init["b"].astype(np.float64)
-    w_slot, b_slot = np.zeros_like(w), np.zeros_like(b)
-    states = []
-    for step in range(worker.TOTAL_STEPS + 1):
-        states.append({"w": w, "b": b, "w/Momentum": w_slot, "b/Momentum": b_slot,
-                       "global_step": np.int64(step)})
-        if step == worker.TOTAL_STEPS:
-            break
-        error = x[step] @ w + b - y[step]
-        w_grad = 2 * x[step].T @ error / len(error)
-        b_grad = 2 * error.sum(axis=0) / len(error)
-        w_slot, b_slot = worker.MOMENTUM * w_slot + w_grad, worker.MOMENTUM * b_slot + b_grad
-        w, b = w - worker.LEARNING_RATE * w_slot, b - worker.LEARNING_RATE * b_slot
-    return states
-
-
-def assert_whole_checkpoints(tf, model_dir: Path, steps: list, expected: list) -> None:
-    """model_dir's `checkpoint` file names the checkpoints of `steps`, the last one as the latest;
-    each is made of final files only and reads back whole: every variable there, finite, and
-    equal to the uninterrupted run's at its step."""
-    state = tf.train.get_checkpoint_state(str(model_dir))
-    assert state is not None, f"no `checkpoint` file in {model_dir}: {os.listdir(model_dir)}"
-    paths = list(state.all_model_checkpoint_paths)
-    assert state.model_checkpoint_path == paths[-1], state
-    named = []
-    for path in paths:
-        found = re.fullmatch(re.escape(str(model_dir)) + r"/model\.ckpt-(\d+)", path)
-        assert found, f"the `checkpoint` file names {path!r}: not a final checkpoint of the dir"
-        named.append(int(found.group(1)))
-        prefix = f"model.ckpt-{named[-1]}."
-        kinds = {f[len(prefix):] for f in os.listdir(model_dir) if f.startswith(prefix)}
-        assert kinds - {"meta"} == {"index", "data-00000-of-00001"}, (path, sorted(kinds))
-        reader = tf.train.load_checkpoint(path)
-        assert sorted(reader.get_variable_to_shape_map()) == sorted(expected[0]), path
-        for name, want in expected[named[-1]].items():
-            value = reader.get_tensor(name)
-            assert np.isfinite(value).all(), (path, name, value)
-            np.testing.assert_allclose(value, want, rtol=RTOL, atol=ATOL, err_msg=f"{path}: {name}")
-    assert named == steps, (named, steps)
-
-
-def assert_resumed(out_dir: Path, start: int, expected: list, ranks: int = 2) -> None:
-    """Every rank of the rerun started at global step `start`, ended at the last step, with the
-    uninterrupted run's final variables (and rank 0's, exactly)."""
-    final = expected[-1]
-    values = []
-    for rank in range(ranks):
-        with np.load(out_dir / f"rank{rank}.npz") as saved:
-            values.append(dict(saved))
-    for rank in range(ranks):
-        record = json.loads((out_dir / f"rank{rank}.json").read_text())
-        assert record == {"start_step": start, "end_step": int(final["global_step"])}, (
-            rank, record)
-        assert sorted(values[rank]) == sorted(final), (rank, sorted(values[rank]))
-        for name, want in final.items():
-            np.testing.assert_allclose(values[rank][name], want, rtol=RTOL, atol=ATOL,
-                                       err_msg=f"rank {rank}: {name}")
-            np.testing.assert_array_equal(values[rank][name], values[0][name],
-                                          err_msg=f"rank {rank} differs from rank 0: {name}")
 
 
 def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
@@ -232,13 +141,9 @@ def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
                          str(tmp_path), phase], env=env, cwd=ROOT, stdout=log,
                         stderr=subprocess.STDOUT))
             deadline = time.monotonic() + CHECKPOINT_TIMEOUT
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    break
+            wait_all(procs, CHECKPOINT_TIMEOUT, stop_on_failure=False)
     finally:
-        _end(procs, [])
+        end_processes(procs)
     out = "\n".join(f"--- {log.name}, exit {proc.returncode}:\n{log.read_text()}"
                     for log, proc in zip(logs, procs))
     assert time.monotonic() < deadline, f"the {phase} job outlived {CHECKPOINT_TIMEOUT} s:\n{out}"
@@ -256,7 +161,7 @@ def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun
     worker, tf = checkpoint_worker
     model_dir = tmp_path / "model"
     env = {**MPI_LIMITS, "TMPDIR": str(tmp_path)}  # the other rank's private model_dir too
-    code, out = run_fault(["--emulate-hosts", "2"],
+    code, out = run_perseusrun(["--emulate-hosts", "2"],
                           [ROOT / CHECKPOINT_WORKER, model_dir, tmp_path, "cut"], env,
                           timeout=CHECKPOINT_TIMEOUT)
     assert code == launch.ABORT_EXIT_CODE, out

@@ -3,15 +3,14 @@ allgather within the host) on emulated hosts, over MPI and TCP: results against 
 algorithm that ran, from runtime_stats and the timeline. PERSEUS_HIERARCHICAL_ALLREDUCE=0 and one
 rank per host run flat; ranks that disagree on the setting fail init() saying so.
 
-The emulated launches need root and iproute2 (see tests/test_multihost.py); without them they
+The emulated launches need root and iproute2 (see tests/harness.py); without them they
 are skipped with the reason.
 """
 
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
-from test_multihost import needs_emulation, run_emulated
+from harness import needs_emulation, run_emulated, run_ranks
 
 WORKER = "tests/workers/hierarchical.py"
 

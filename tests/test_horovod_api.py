@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT, WORKERS, run_ranks
-from test_tcp_rendezvous import finish, rank_env
+from harness import ROOT, WORKERS, finish, python_for, rank_env, run_ranks
 
 from perseusrun import launch
 
@@ -40,8 +39,6 @@ def test_keras_horovod_arguments_and_callbacks(tmp_path):
 def test_keras_on_tf_2_15_accepts_tf_keras_optimizers_and_fits_like_one_process():
     """TensorFlow 2.15.1 without tf-keras: perseus_legacy.keras imports, and tf.keras (Keras
     2.15) optimizers, new and legacy, train on 2 ranks like one process on the global batch."""
-    from estimator.tf_matrix import python_for
-
     cases = ("sgd:graph", "legacy_adam:eager")
     # The TF 2.15 environment has no MPI: the ranks meet over the TCP controller.
     out = run_ranks(2, "tests/workers/keras_fit.py", *cases, timeout=400, controller="tcp",
@@ -70,8 +67,6 @@ def test_elastic_programs_run_unchanged_on_a_fixed_set_of_ranks():
 def test_adasum_elastic_and_local_variables_on_tf_2_15():
     """TensorFlow 2.15.1 (tf.keras is Keras 2.15, no MPI: the TCP controller): the Adasum and
     elastic workers and the new hvd_api checks, on 2 ranks."""
-    from estimator.tf_matrix import python_for
-
     out = run_ranks(2, "tests/workers/hvd_checks.py", "hvd_adasum", "hvd_elastic",
                     "hvd_api:check_tf1_local_variables,check_keras_optimizer_forwarding,"
                     "check_homogeneous", timeout=600, controller="tcp",
@@ -88,7 +83,7 @@ def test_is_homogeneous_is_false_for_2_plus_1_hosts_and_adasum_refuses_3_ranks()
                               env=rank_env(rank, addresses), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for rank in range(3)]
-    results = finish(procs)
+    results = finish(procs, timeout=150)
     everything = "\n".join(out for _, out in results)
     for rank, (code, out) in enumerate(results):
         assert code == 0 and f"[rank {rank}] OK" in out, everything

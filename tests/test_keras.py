@@ -7,8 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from harness import run_ranks
-from test_examples import accuracy_of
+from harness import accuracy_of, run_ranks
 
 
 def test_keras_fit_on_2_ranks_equals_single_process_fit_graph_and_eager():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import queue
-import select
 import signal
 import subprocess
 import sys
@@ -13,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
+from harness import PERSEUSRUN, ROOT, WORKERS, end_processes, exits_within
 
 from perseusrun import launch
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = str(ROOT / "tests" / "workers" / "launch_worker.py")
-LAUNCHER = [os.path.join(os.path.dirname(sys.executable), "perseusrun")]  # the console script
+WORKER = str(WORKERS / "launch_worker.py")
+LAUNCHER = [PERSEUSRUN]  # the console script
 BASE_ENV = {"PATH": "/usr/bin:/bin"}
 
 
@@ -226,7 +225,7 @@ def test_timeout_terminates_a_hung_job_with_a_clear_message():
         assert proc.wait(timeout=60) == launch.TIMEOUT_EXIT_CODE
         elapsed = time.monotonic() - started
     finally:
-        _stop(proc)
+        end_processes([proc])
     stderr = "".join(iter(lambda: lines.get(timeout=30), None))
     assert 4.5 < elapsed < 15, elapsed
     assert "ran longer than --timeout 5 s" in stderr, stderr
@@ -246,22 +245,9 @@ def test_sigterm_stops_every_rank():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
     finally:
-        _stop(proc)
+        end_processes([proc])
     for pid in pids:
-        assert _exits_within(pid, 30), f"rank process {pid} outlived the SIGTERM'ed job"
-
-
-def _exits_within(pid: int, seconds: float) -> bool:
-    """Waits on a pidfd (an event, not polling): ranks may finish dying just after mpirun."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        readable, _, _ = select.select([fd], [], [], seconds)
-        return bool(readable)
-    finally:
-        os.close(fd)
+        assert exits_within(pid, 30), f"rank process {pid} outlived the SIGTERM'ed job"
 
 
 def _lines(stream) -> queue.Queue:
@@ -275,12 +261,6 @@ def _lines(stream) -> queue.Queue:
 
     threading.Thread(target=read, daemon=True).start()
     return lines
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize("command", [["perseusrun", "--check-build"],

@@ -11,62 +11,34 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import BIN, ROOT, failure_summary, launch_env
-from test_launcher import _exits_within
+from harness import (
+    ATOL,
+    ESTIMATOR_TIMEOUT,
+    PERSEUSRUN,
+    ROOT,
+    RTOL,
+    end_processes,
+    exits_within,
+    finish_reference,
+    launch_env,
+    load_values,
+    namespaces_of,
+    needs_emulation,
+    run_emulated,
+    start_reference,
+    task_env,
+    wait_all,
+)
 
-from perseus_legacy.common.tf_config import MPI_LAUNCHER_VARIABLES
 from perseusrun import emulate, launch
 
-PERSEUSRUN = str(BIN / "perseusrun")
 COLLECTIVES = "tests/workers/multihost_collectives.py"
-
-
-def _why_no_emulation() -> str | None:
-    try:
-        emulate.check_requirements("1gbit")
-    except emulate.EmulationError as exc:
-        return str(exc)
-    return None
-
-
-needs_emulation = pytest.mark.skipif(_why_no_emulation() is not None,
-                                     reason=f"{_why_no_emulation()}")
-
-
-def namespaces_of(pid: int) -> list[str]:
-    """The emulated hosts' namespaces that a launcher with this pid left."""
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines()
-            if line.startswith(f"{emulate.TAG_PREFIX}{pid}x")]
-
-
-def run_emulated(options: list, script: str, *args, timeout: float = 240,
-                 env: dict | None = None, expect_failure: bool = False) -> str:
-    """Runs `perseusrun OPTIONS --timeout T python SCRIPT ARGS`; the output of all ranks."""
-    cmd = [PERSEUSRUN, *map(str, options), "--timeout", str(int(timeout)), sys.executable,
-           str(ROOT / script), *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout + 60)  # perseusrun ends the job at `timeout`
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # perseusrun stops its ranks and removes its namespaces
-        out, _ = proc.communicate(timeout=60)
-        raise AssertionError(f"{' '.join(cmd)}\nhung past {timeout} s:\n{out}") from None
-    assert namespaces_of(proc.pid) == [], f"namespaces left behind by {' '.join(cmd)}"
-    if (proc.returncode != 0) != expect_failure or proc.returncode == launch.TIMEOUT_EXIT_CODE:
-        raise AssertionError(f"{' '.join(cmd)}\nexit {proc.returncode}. Error lines:\n"
-                             f"{failure_summary(out)}\nOutput:\n{out}")
-    return out
 
 
 # ---- the command line, no launch -------------------------------------------------------------
@@ -198,17 +170,6 @@ def _start_hanging_job(*options: str) -> tuple:
     raise AssertionError(f"the job ended (exit {proc.wait()}) before both ranks were ready")
 
 
-def _end(procs: list, pids: list) -> None:
-    """Ends what a test started and what may survive it (by pid), so nothing lingers."""
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    for pid in pids:
-        if not _exits_within(pid, 0):
-            os.kill(pid, signal.SIGKILL)
-
-
 @needs_emulation
 @pytest.mark.parametrize("tcp", [False, True], ids=["mpi", "tcp"])
 def test_sigint_to_the_launcher_stops_the_ranks_and_removes_the_namespaces(tcp):
@@ -218,10 +179,10 @@ def test_sigint_to_the_launcher_stops_the_ranks_and_removes_the_namespaces(tcp):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 128 + signal.SIGINT
         for pid in pids:
-            assert _exits_within(pid, 30), f"rank {pid} outlived the interrupted job"
+            assert exits_within(pid, 30), f"rank {pid} outlived the interrupted job"
         assert namespaces_of(proc.pid) == []
     finally:
-        _end([proc], pids)
+        end_processes([proc], pids)
 
 
 @needs_emulation
@@ -237,52 +198,14 @@ def test_namespaces_of_a_killed_launcher_are_removed_at_the_next_start():
                      "echo", timeout=120)
         assert namespaces_of(proc.pid) == []
         for pid in pids:
-            assert _exits_within(pid, 30), f"rank {pid} of the killed launcher still runs"
+            assert exits_within(pid, 30), f"rank {pid} of the killed launcher still runs"
         assert not (emulate._state_dir() / f"{emulate.TAG_PREFIX}{proc.pid}x0").exists()
     finally:
-        _end([proc], pids)
+        end_processes([proc], pids)
 
 
 
 # ---- an unchanged Estimator across hosts -------------------------------------------------------
-
-ESTIMATOR_TIMEOUT = 480
-RTOL, ATOL = 1e-5, 1e-6  # float32 sums in another order
-
-
-def start_reference(worker: str, out: Path, *args) -> subprocess.Popen:
-    """The single-process reference of an estimator worker, in this namespace, in background."""
-    log = open(out / "reference.log", "w")
-    with log:
-        return subprocess.Popen([sys.executable, str(ROOT / worker), str(out), *map(str, args)],
-                                cwd=ROOT, env=task_env(), stdout=log, stderr=subprocess.STDOUT)
-
-
-def finish_reference(proc: subprocess.Popen, out: Path) -> dict:
-    """The reference's variables once it exited 0."""
-    try:
-        proc.wait(timeout=ESTIMATOR_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    assert proc.returncode == 0, (out / "reference.log").read_text()[-8000:]
-    return load_values(out / "reference.npz")
-
-
-def load_values(path: Path) -> dict:
-    with np.load(path) as values:
-        return {k: values[k] for k in values.files}
-
-
-def task_env(extra: dict | None = None) -> dict:
-    """A process's environment without any launcher's or TF_CONFIG's variables, plus `extra`."""
-    env = launch_env()
-    for name in ("TF_CONFIG", "TF_USE_LEGACY_KERAS", "PERSEUS_CONTROLLER", "PERSEUS_TCP_RANK",
-                 "PERSEUS_TCP_ADDRESSES", *MPI_LAUNCHER_VARIABLES):
-        env.pop(name, None)
-    env.update(extra or {})
-    return env
-
 
 @needs_emulation
 def test_estimator_with_run_config_on_2_hosts_trains_like_one_process_on_the_global_batch(
@@ -343,7 +266,7 @@ def test_tf_config_chief_2_workers_and_evaluator_on_4_hosts_train_and_evaluate_l
                                             stdout=log, stderr=subprocess.STDOUT))
             codes = wait_all(procs, ESTIMATOR_TIMEOUT)
     finally:
-        _end(procs, [])
+        end_processes(procs)
         expected = finish_reference(reference, reference_dir)
     logs = "\n".join(f"--- {t}{i} exited {c}:\n{(tmp_path / f'{t}{i}.log').read_text()[-4000:]}"
                      for (t, i), c in zip(tasks, codes))
@@ -361,21 +284,3 @@ def test_tf_config_chief_2_workers_and_evaluator_on_4_hosts_train_and_evaluate_l
         np.testing.assert_allclose(final[tag], reference_metrics[tag], rtol=RTOL, atol=ATOL,
                                    err_msg=tag)
 
-
-def wait_all(procs: list, timeout: float) -> list:
-    """Exit codes; a failure or the deadline ends the processes still running (negative codes).
-    Waits on pidfds: an event for every exit, no polling."""
-    deadline = time.monotonic() + timeout
-    fds = {os.pidfd_open(proc.pid): proc for proc in procs}
-    try:
-        failed = False
-        while fds and not failed and time.monotonic() < deadline:
-            ready, _, _ = select.select(list(fds), [], [], max(0.0, deadline - time.monotonic()))
-            for fd in ready:
-                failed |= fds.pop(fd).wait() != 0
-                os.close(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-        _end(procs, [])
-    return [proc.returncode for proc in procs]

@@ -1,6 +1,7 @@
 """A non-editable `pip install .` gives a working package: it is built from a copy of the source
 tree into a separate directory, then used from outside the repository (the in-tree package is
-never on the path): `perseusrun --check-build`, a 2-rank allreduce, `python -m perseus_legacy`."""
+never on the path): `perseusrun --check-build`, a 2-rank allreduce, `python -m perseus_legacy`, and
+its metadata (license, dependencies)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,14 @@ def test_check_build_fails_naming_the_native_part_that_is_missing(installed, tmp
     assert f"native core: loaded ({broken}" in proc.stdout, proc.stdout
     assert "TensorFlow ops: MISSING: ImportError" in proc.stdout, proc.stdout
     assert "BROKEN: TensorFlow ops did not load" in proc.stdout, proc.stdout
+
+
+def test_installed_package_metadata_names_its_license_and_dependencies(installed):
+    target, _, _ = installed
+    [dist_info] = target.glob("perseus_legacy-*.dist-info")
+    metadata = (dist_info / "METADATA").read_text().splitlines()
+    assert "License-Expression: Apache-2.0" in metadata, metadata
+    assert "License-File: LICENSE" in metadata, metadata
+    assert (dist_info / "licenses" / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
+    for requirement in ("tensorflow-estimator==2.15.0", "tensorboard"):
+        assert f"Requires-Dist: {requirement}" in metadata, metadata

@@ -6,7 +6,7 @@ calls that disagree, join), and training on a set against one process on its glo
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
+from harness import python_for, run_ranks
 
 
 @pytest.mark.parametrize("np_, controller", [(3, "mpi"), (4, "mpi"), (3, "tcp"), (4, "tcp")])
@@ -30,8 +30,6 @@ def test_stalled_set_collective_names_its_missing_members_only():
 def test_process_sets_on_tf_2_15():
     """The TF 2.15 op library carries the process_set_id attribute: queries, the concurrent
     step and a DistributedGradientTape on a set, on 3 ranks over TCP (no MPI there)."""
-    from estimator.tf_matrix import python_for
-
     out = run_ranks(3, "tests/workers/process_sets.py", "basic", timeout=300, controller="tcp",
                     python=python_for("tf215")).stdout
     assert out.count("] OK") == 3, out

@@ -19,21 +19,21 @@ import threading
 
 import numpy as np
 import pytest
-from harness import BIN, ROOT, failure_summary, launch_env
-from test_faults import (
+from harness import (
+    ATOL,
+    BIN,
     CHECKPOINT_WORKER,
+    ESTIMATOR_TIMEOUT,
+    ROOT,
+    RTOL,
     assert_resumed,
     assert_whole_checkpoints,
-    checkpoint_worker,  # noqa: F401 (a fixture)
-    trajectory,
-)
-from test_multihost import (
-    ATOL,
-    ESTIMATOR_TIMEOUT,
-    RTOL,
+    failure_summary,
     finish_reference,
+    launch_env,
     load_values,
     start_reference,
+    trajectory,
 )
 
 import perseus_env

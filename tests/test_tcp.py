@@ -12,11 +12,10 @@ import json
 import re
 import subprocess
 import sys
-import time
 from hashlib import sha256
 
 import pytest
-from harness import ROOT, WORKERS, launch_env
+from harness import ROOT, WORKERS, finish, task_env
 
 from perseus_legacy import _core
 from perseus_legacy.common import tf_config
@@ -140,28 +139,12 @@ def start_tasks(cluster: dict, tasks: list, mode: str, env: dict | None = None,
     """Starts tcp_task.py once per (type, index[, extra env]); returns [(exit code, output)]."""
     procs = []
     for task in tasks:
-        task_env = {"TF_CONFIG": config(cluster, task[0], task[1]), "PERSEUS_SECRET": SECRET,
-                    **(env or {}), **(task[2] if len(task) > 2 else {})}
-        task_env = launch_env(task_env)
-        for name in ("PERSEUS_CONTROLLER", "PERSEUS_TCP_RANK", "PERSEUS_TCP_ADDRESSES",
-                     *tf_config.MPI_LAUNCHER_VARIABLES):
-            task_env.pop(name, None)
+        extra = {"TF_CONFIG": config(cluster, task[0], task[1]), "PERSEUS_SECRET": SECRET,
+                 **(env or {}), **(task[2] if len(task) > 2 else {})}
         procs.append(subprocess.Popen([sys.executable, str(WORKERS / "tcp_task.py"), mode],
-                                      cwd=ROOT, env=task_env, stdout=subprocess.PIPE,
+                                      cwd=ROOT, env=task_env(extra), stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    results = []
-    for proc in procs:
-        try:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            results.append((proc.returncode, out))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            outputs = "\n".join(f"--- task {t}:\n{p.communicate()[0]}"
-                                for t, p in zip(tasks, procs))
-            raise AssertionError(f"hand-started tasks hung past {timeout} s:\n{outputs}") from None
-    return results
+    return finish(procs, timeout)
 
 
 def cluster_of(ranks: int, evaluator: bool = False) -> dict:

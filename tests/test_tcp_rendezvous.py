@@ -14,26 +14,20 @@ import socket
 import subprocess
 import sys
 
-import pytest
-from harness import ROOT, WORKERS, launch_env
-from workers.tcp_impostor import HELLO_BYTES, claim, read_exactly
+from harness import (
+    ROOT,
+    WORKERS,
+    finish,
+    launch_env,
+    needs_emulation,
+    rank_env,
+    worker_module,
+)
 
-from perseus_legacy.common import tf_config
 from perseusrun import emulate, launch
 
-SECRET = "rendezvous-test-secret-0123456789"
-START_TIMEOUT = 60
 TIMEOUT = 150
-
-
-def rank_env(rank: int, addresses: list[str], secret: str = SECRET,
-             start_timeout: float = START_TIMEOUT) -> dict:
-    env = launch_env({"PERSEUS_CONTROLLER": "tcp", "PERSEUS_TCP_RANK": str(rank),
-                      "PERSEUS_TCP_ADDRESSES": ",".join(addresses), "PERSEUS_SECRET": secret,
-                      "PERSEUS_START_TIMEOUT": str(start_timeout)})
-    for name in ("TF_CONFIG", *tf_config.MPI_LAUNCHER_VARIABLES):
-        env.pop(name, None)
-    return env
+IMPOSTOR = worker_module("tcp_impostor")  # the handshake as a stranger speaks it
 
 
 def start_rank(rank: int, addresses: list[str], mode: str = "sum",
@@ -45,28 +39,13 @@ def start_rank(rank: int, addresses: list[str], mode: str = "sum",
                             stderr=subprocess.STDOUT, text=True)
 
 
-def finish(procs: list[subprocess.Popen], timeout: float = TIMEOUT) -> list[tuple[int, str]]:
-    """[(exit code, output)] of every process; kills them all when one outlives `timeout`."""
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out))
-    except subprocess.TimeoutExpired:
-        for proc in procs:
-            proc.kill()
-        outputs = "\n".join(f"--- process {i}:\n{p.communicate()[0]}" for i, p in enumerate(procs))
-        raise AssertionError(f"ranks hung past {timeout} s:\n{outputs}") from None
-    return results
-
-
 def accepted_connection(address: str, rank: subprocess.Popen) -> socket.socket:
     """A connection that `rank` (listening at `address`) has accepted: its hello has arrived."""
     host, port = address.rsplit(":", 1)
     while True:
         try:
             sock = socket.create_connection((host, int(port)), timeout=30)
-            read_exactly(sock, HELLO_BYTES)
+            IMPOSTOR.read_exactly(sock, IMPOSTOR.HELLO_BYTES)
             return sock
         except ConnectionRefusedError:
             pass
@@ -101,12 +80,12 @@ def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them()
             garbage = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
             for i, sock in enumerate(garbage):
                 noise = (b"GET / HTTP/1.1\r\nHost: rank\r\n\r\n", os.urandom(4096),
-                         claim(bytes(HELLO_BYTES), 2, 0, 3, b"x" * 32))[i % 3]
+                         IMPOSTOR.claim(bytes(IMPOSTOR.HELLO_BYTES), 2, 0, 3, b"x" * 32))[i % 3]
                 sock.sendall(noise)
             strangers[target] = idle + garbage
             names[target] = {"{}:{}".format(*sock.getsockname()) for sock in idle + garbage}
         ranks.append(start_rank(2, addresses))
-        results = finish(ranks)
+        results = finish(ranks, TIMEOUT)
     finally:
         for sock in strangers[0] + strangers[1]:
             sock.close()
@@ -160,10 +139,6 @@ def test_a_rank_with_a_wrong_secret_fails_the_job_on_every_rank_naming_it():
                                 "rank 1 never arrived" in two), two
 
 
-needs_emulation = pytest.mark.skipif(
-    not hasattr(os, "geteuid") or os.geteuid() != 0, reason="emulated hosts need root")
-
-
 @needs_emulation
 def test_a_wrong_secret_from_another_host_is_refused_logged_with_its_address_and_the_job_forms():
     """Ranks 0 and 1 on emulated hosts A and B; from host C, before rank 1 starts, a process
@@ -179,7 +154,7 @@ def test_a_wrong_secret_from_another_host_is_refused_logged_with_its_address_and
                                   "1", "1", "2", "not-the-secret-of-this-job-at-all", "60"]),
                 cwd=ROOT, env=launch_env(), capture_output=True, text=True, timeout=90)
             ranks.append(start_rank(1, addresses, host=hosts[1]))
-            results = finish(ranks)
+            results = finish(ranks, TIMEOUT)
         finally:
             for proc in ranks:
                 if proc.poll() is None:

@@ -15,9 +15,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from tf_matrix import HERE, VERSIONS, available, python_for, start
+from harness import ROOT, VERSIONS, available, python_for, start
 
 MATRIX_TIMEOUT = 600
+SCENARIOS = ROOT / "tests" / "estimator" / "estimator_scenarios.py"
 
 
 class Matrix:
@@ -31,8 +32,7 @@ class Matrix:
     def start_all(self) -> None:
         for version in filter(available, VERSIONS):  # a missing venv skips/fails its own tests
             self.procs[version] = start(version, [
-                HERE / "estimator_scenarios.py", self.root / f"{version}.json",
-                self.root / version])
+                SCENARIOS, self.root / f"{version}.json", self.root / version])
 
     def _collect(self, version: str) -> object:
         proc = self.procs[version]

@@ -14,16 +14,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tf_matrix import available, python_for, start
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the launch harness
-from harness import ROOT, run_ranks  # noqa: E402
+from harness import ROOT, available, python_for, run_ranks, start
 
 WORKER = "tests/workers/est_distributed.py"
 STEPS = 4  # est_distributed.STEPS

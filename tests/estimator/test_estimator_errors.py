@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from tf_matrix import run_code
+from harness import run_code
 
 PATCHED = ["main", "tf216"]  # the TensorFlow versions without tf.estimator
 

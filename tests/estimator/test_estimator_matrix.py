@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pytest
-from tf_matrix import VERSIONS
+from harness import VERSIONS
 
 # Same seed, same data, same kernels up to float32 rounding: TF 2.21 and 2.16 agree with 2.15.1
 # to ~1e-7 on this machine. A real behaviour change (initializers, optimizer, head, Keras 3)

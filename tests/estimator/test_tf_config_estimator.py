@@ -13,22 +13,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from tf_matrix import available, env, python_for
+from harness import ROOT, available, files_under, matrix_env, python_for, task_env, wait_all
 
-from perseus_legacy.common import tf_config
 from perseusrun.launch import free_local_ports
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "workers" / "est_tf_config.py"
 STEPS = 6  # est_tf_config.STEPS
 RTOL, ATOL = 1e-5, 1e-6
@@ -54,13 +49,11 @@ JOBS = {
 }
 
 
-def task_env(version: str, cluster: dict, task_type: str, index: int, extra: dict) -> dict:
-    result = env({"TF_CONFIG": json.dumps({"cluster": cluster,
-                                           "task": {"type": task_type, "index": index}}),
-                  "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "300", **extra})
-    for name in ("PERSEUS_CONTROLLER", "PERSEUS_TCP_RANK", "PERSEUS_TCP_ADDRESSES",
-                 *tf_config.MPI_LAUNCHER_VARIABLES):
-        result.pop(name, None)
+def job_env(version: str, cluster: dict, task_type: str, index: int, extra: dict) -> dict:
+    result = task_env({"TF_CONFIG": json.dumps({"cluster": cluster,
+                                                "task": {"type": task_type, "index": index}}),
+                       "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "300", **extra},
+                      base=matrix_env())
     if version == "tf215":
         result["TF_USE_LEGACY_KERAS"] = "0"  # TF 2.15's tf.keras is Keras 2 (no tf-keras there)
     return result
@@ -87,7 +80,7 @@ class Jobs:
                task_env_: dict | None = None) -> tuple:
         log = open(out / f"{who}.log", "w")  # a file: no pipe to fill while others run
         proc = subprocess.Popen([python_for(version), str(WORKER), str(out), *map(str, args)],
-                                cwd=ROOT, env=task_env_ or env(), stdout=log,
+                                cwd=ROOT, env=task_env_ or matrix_env(), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         return proc, out / f"{who}.log"
@@ -112,7 +105,7 @@ class Jobs:
         for task_type, index, max_steps in tasks:
             who = f"{task_type}{index}"
             proc, log = self._start(version, out, [model_dir, "task", who, max_steps], who,
-                                    task_env(version, cluster, task_type, index, extra))
+                                    job_env(version, cluster, task_type, index, extra))
             procs.append(proc)
             logs.append(log)
         codes = wait_all(procs, JOB_TIMEOUT, stop_on_failure=ok)
@@ -143,25 +136,6 @@ class Jobs:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def wait_all(procs: list, timeout: float, stop_on_failure: bool) -> list:
-    """Exit codes; past `timeout`, or when one fails with `stop_on_failure`, the rest are killed
-    (their code is then negative)."""
-    deadline = time.monotonic() + timeout
-    pending = list(procs)
-    while pending and time.monotonic() < deadline:
-        try:
-            pending[0].wait(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            pass
-        pending = [p for p in procs if p.poll() is None]
-        if stop_on_failure and any(p.returncode for p in procs if p.poll() is not None):
-            break
-    for proc in pending:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    return [p.returncode for p in procs]
-
-
 @pytest.fixture(scope="module")
 def jobs():
     result = Jobs()
@@ -174,10 +148,6 @@ def assert_close(got: dict, expected: dict, what: str) -> None:
     for name, want in expected.items():
         np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL,
                                    err_msg=f"{what}: {name}")
-
-
-def files_under(path: Path) -> list:
-    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
 
 
 @pytest.mark.parametrize("name", ["main", "tf215"])

@@ -14,7 +14,7 @@ import threading
 import time
 
 import numpy as np
-from worker_util import assert_close, fail
+from worker_util import assert_close, expect_error, fail
 
 from perseus_legacy import _core
 from perseus_legacy.common import basics, tf_config
@@ -26,48 +26,41 @@ if CONTROLLER == "mpi":
 SUM, MAX = 1, 3
 
 
-def expect_error(rank: int, what: str, call, *fragments: str) -> None:
-    try:
-        call()
-    except RuntimeError as exc:
-        for fragment in fragments:
-            if fragment not in str(exc):
-                fail(rank, f"{what}: {fragment!r} missing from the error: {exc}")
-        print(f"[rank {rank}] {what}: got the expected error", flush=True)
-        return
-    fail(rank, f"{what}: no error raised")
-
-
 def check_mismatches(rank: int) -> None:
     dtype = np.float64 if rank == 1 else np.float32
     expect_error(rank, "dtype", lambda: _core.allreduce(np.ones(4, dtype), "mm.dtype"),
+                 RuntimeError,
                  'allreduce "mm.dtype": dtype mismatch: ranks [0, 2] float32, ranks [1] float64')
     shape = (3,) if rank == 2 else (2,)
     expect_error(rank, "shape", lambda: _core.allreduce(np.ones(shape, np.float32), "mm.shape"),
+                 RuntimeError,
                  'allreduce "mm.shape": shape mismatch: ranks [0, 1] [2], ranks [2] [3]')
     op = MAX if rank == 0 else SUM
     expect_error(rank, "op", lambda: _core.allreduce(np.ones(2, np.int32), "mm.op", op=op),
+                 RuntimeError,
                  'allreduce "mm.op": reduce op mismatch: ranks [0] Max, ranks [1, 2] Sum')
     expect_error(rank, "root",
-                 lambda: _core.broadcast(np.ones(2, np.int32), rank % 2, "mm.root"),
+                 lambda: _core.broadcast(np.ones(2, np.int32), rank % 2, "mm.root"), RuntimeError,
                  'broadcast "mm.root": root_rank mismatch: ranks [0, 2] 0, ranks [1] 1')
     expect_error(rank, "root range",
-                 lambda: _core.broadcast(np.ones(2, np.int32), 7, "mm.range"),
+                 lambda: _core.broadcast(np.ones(2, np.int32), 7, "mm.range"), RuntimeError,
                  'broadcast "mm.range": root_rank 7 is out of range for 3 ranks')
     if rank == 1:
         call = lambda: _core.allgather(np.ones((2, 2), np.float32), "mm.type")  # noqa: E731
     else:
         call = lambda: _core.allreduce(np.ones((2, 2), np.float32), "mm.type")  # noqa: E731
-    expect_error(rank, "collective", call,
+    expect_error(rank, "collective", call, RuntimeError,
                  '"mm.type": collective mismatch: ranks [0, 2] allreduce, ranks [1] allgather')
     cols = 4 if rank == 0 else 3
     expect_error(rank, "trailing dims",
                  lambda: _core.allgather(np.ones((rank + 1, cols), np.int8), "mm.gather"),
+                 RuntimeError,
                  'allgather "mm.gather": shape beyond the first dimension mismatch: '
                  "ranks [0] [4], ranks [1, 2] [3]")
     splits = [1, 1, 1] if rank != 1 else [2, 2, 2]
     expect_error(rank, "splits",
                  lambda: _core.alltoall(np.ones((3, 2), np.float32), "mm.splits", splits),
+                 RuntimeError,
                  'alltoall "mm.splits": splits [2, 2, 2] on rank 1 sum to 6 but the first '
                  "dimension is 3")
     # The runtime keeps working after errors.
@@ -80,6 +73,7 @@ def check_duplicate_name(rank: int) -> None:
     # one completes normally.
     expect_error(rank, "duplicate",
                  lambda: _core.grouped_allreduce([np.ones(2), np.ones(2)], ["dup", "dup"], op=SUM),
+                 RuntimeError,
                  'allreduce "dup": a collective named "dup" is already pending on rank')
     got = _core.allreduce(np.ones(2), "dup", op=SUM)
     assert_close(rank, "dup reused", got, np.full(2, 3.0))
@@ -114,6 +108,7 @@ def check_reinit_on_subcommunicator(rank: int) -> None:
     assert_close(rank, "sub.sum", got, np.full(2, 2 if rank % 2 == 0 else 1, np.int32))
     if rank == 0:
         expect_error(rank, "stall shutdown", lambda: _core.allreduce(np.ones(2), "stall.only0"),
+                     RuntimeError,
                      'allreduce "stall.only0" was submitted by ranks [0] but not by ranks [1]',
                      "PERSEUS_STALL_SHUTDOWN_SECS")
     # Rank 2 must not start waiting before rank 0's stalled tensor is given up on, or it
@@ -136,10 +131,12 @@ def check_reinit_over_tcp(rank: int) -> None:
     # side is still waiting for its stalled tensor to be given up.
     if rank == 0:
         expect_error(rank, "stall shutdown", lambda: _core.allreduce(np.ones(2), "stall.only0"),
+                     RuntimeError,
                      'allreduce "stall.only0" was submitted by ranks [0] but not by ranks [1, 2]',
                      "PERSEUS_STALL_SHUTDOWN_SECS")
     else:
         expect_error(rank, "stall shutdown", lambda: _core.allreduce(np.ones(2), "stall.only12"),
+                     RuntimeError,
                      'allreduce "stall.only12" was submitted by ranks [1, 2] but not by ranks [0]')
     got = _core.allreduce(np.ones(2), "again.after", op=SUM)  # still usable
     assert_close(rank, "again.after", got, np.full(2, 3.0))

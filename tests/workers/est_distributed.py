@@ -34,6 +34,7 @@ import time
 
 import numpy as np
 import tensorflow as tf
+from worker_util import files_under
 
 SEED = 7
 STEPS = 4
@@ -140,11 +141,6 @@ class SlowEvaluation(tf.compat.v1.train.SessionRunHook):
         # it without a stall error); nothing synchronises on it.
         time.sleep(self.seconds)
         self.seconds = 0
-
-
-def files_under(path):
-    return sorted(os.path.relpath(os.path.join(d, f), path)
-                  for d, _, names in os.walk(path) for f in names)
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.training import server_lib
+from worker_util import files_under
 
 SEED = 11
 STEPS = 6
@@ -75,11 +76,6 @@ def config_kwargs(model_dir: str) -> dict:
     return {"model_dir": model_dir, "tf_random_seed": SEED, "save_checkpoints_steps": 2,
             "session_config": tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                                        inter_op_parallelism_threads=1)}
-
-
-def files_under(path: str) -> list:
-    return sorted(os.path.relpath(os.path.join(d, f), path)
-                  for d, _, names in os.walk(path) for f in names)
 
 
 def checkpoint_values(model_dir: str) -> dict:

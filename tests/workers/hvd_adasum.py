@@ -15,7 +15,7 @@ import perseus_legacy as hvd
 import numpy as np
 import tensorflow as tf
 from hvd_checks import run_checks
-from worker_util import assert_close, fail, rank_data
+from worker_util import agree, assert_close, expect_error, fail, rank_data
 
 import perseus_legacy.keras as hvd_keras
 from perseus_legacy.keras.keras2 import keras
@@ -50,22 +50,6 @@ def expect(rank: int, what: str, got: np.ndarray, per_rank: list, dtype, scale: 
     assert_close(rank, what, got, expected, tol, tol)
 
 
-def same_bits_everywhere(rank: int, what: str, value: np.ndarray) -> None:
-    everyone = hvd.allgather(value.reshape(1, -1), name=f"bits.{what}").numpy()
-    if not all(np.array_equal(row, everyone[0]) for row in everyone):
-        fail(rank, f"{what}: ranks got different bits")
-
-
-def expect_raises(rank: int, what: str, error: type, words: str, call) -> None:
-    try:
-        call()
-    except error as exc:
-        if words not in str(exc):
-            fail(rank, f"{what}: unclear {error.__name__}: {exc}")
-        return
-    fail(rank, f"{what} did not raise {error.__name__}")
-
-
 def check_allreduce(rank: int, size: int) -> None:
     cases = []  # (label, dtype, every rank's tensor, expected or None for the numpy tree)
     for dtype in (np.float32, np.float64, np.float16):
@@ -94,7 +78,7 @@ def check_allreduce(rank: int, size: int) -> None:
             expect(rank, what, result.numpy(), per_rank, dtype)
         else:
             assert_close(rank, what, result.numpy(), expected, TOLERANCE[dtype])
-    same_bits_everywhere(rank, "grouped_allreduce Adasum", np.concatenate(
+    agree(rank, "grouped_allreduce Adasum", np.concatenate(
         [r.numpy().astype(np.float64).ravel() for r in results]))
     a = [signed_data(r, (2, 3), np.float32, 4) for r in range(size)]
     b = [signed_data(r, (5,), np.float64, 5) for r in range(size)]
@@ -123,23 +107,26 @@ def check_process_sets_and_errors(rank: int, size: int) -> None:
             got = hvd.allreduce(tf.constant(x[rank]), op=hvd.Adasum, process_set=odd).numpy()
             expect(rank, "Adasum over process set [1, 3]", got, [x[1], x[3]], np.float32)
         if three.included():
-            expect_raises(rank, "Adasum over 3 ranks", NotImplementedError, "one of 3",
-                          lambda: hvd.allreduce(tf.constant(x[rank]), op=hvd.Adasum,
-                                                process_set=three))
+            expect_error(rank, "Adasum over 3 ranks",
+                         lambda: hvd.allreduce(tf.constant(x[rank]), op=hvd.Adasum,
+                                               process_set=three),
+                         NotImplementedError, "one of 3")
     slices = tf.IndexedSlices(tf.constant(x[rank][:2].reshape(2, 1)), tf.constant([0, 1]),
                               tf.constant([3, 1]))
-    expect_raises(rank, "Adasum of IndexedSlices", NotImplementedError, "sparse_as_dense",
-                  lambda: hvd.allreduce(slices, op=hvd.Adasum))
-    expect_raises(rank, "Adasum of int32", TypeError, "int32",
-                  lambda: hvd.allreduce(tf.constant([1, 2]), op=hvd.Adasum))
-    expect_raises(rank, "reducescatter with Adasum", ValueError, "Adasum",
-                  lambda: hvd.reducescatter(tf.constant(x[rank]), op=hvd.Adasum))
+    expect_error(rank, "Adasum of IndexedSlices",
+                 lambda: hvd.allreduce(slices, op=hvd.Adasum),
+                 NotImplementedError, "sparse_as_dense")
+    expect_error(rank, "Adasum of int32",
+                 lambda: hvd.allreduce(tf.constant([1, 2]), op=hvd.Adasum), TypeError, "int32")
+    expect_error(rank, "reducescatter with Adasum",
+                 lambda: hvd.reducescatter(tf.constant(x[rank]), op=hvd.Adasum),
+                 ValueError, "Adasum")
     xt = tf.constant(x[rank])
     with tf.GradientTape() as tape:
         tape.watch(xt)
         total = tf.reduce_sum(hvd.allreduce(xt, op=hvd.Adasum))
-    expect_raises(rank, "gradient of Adasum", ValueError, "not differentiable",
-                  lambda: tape.gradient(total, xt))
+    expect_error(rank, "gradient of Adasum",
+                 lambda: tape.gradient(total, xt), ValueError, "not differentiable")
 
 
 def linear_data(rank: int) -> tuple:
@@ -186,8 +173,8 @@ def check_gradient_tape(rank: int, size: int) -> None:
         for k, grad in enumerate(grads):
             expect(rank, f"{mode} DistributedGradientTape Adasum gradient {k}", grad.numpy(),
                    [g[k] for g in per_rank], np.float32)
-    expect_raises(rank, "Adasum tape with a sparse gradient", NotImplementedError,
-                  "sparse_as_dense", lambda: gradients(False))
+    expect_error(rank, "Adasum tape with a sparse gradient",
+                 lambda: gradients(False), NotImplementedError, "sparse_as_dense")
 
 
 def check_keras_optimizer(rank: int, size: int) -> None:
@@ -249,7 +236,7 @@ def check_tf1_optimizer(rank: int, size: int) -> None:
             got, steps = sess.run([w, step])
         what = f"TF1 DistributedOptimizer Adasum backward_passes_per_step={passes}"
         assert_close(rank, what, got, expected.astype(np.float32), 1e-5, 1e-6)
-        same_bits_everywhere(rank, what, got)
+        agree(rank, what, got)
         if steps != updates * passes:  # the wrapped optimizer steps on every pass
             fail(rank, f"{what}: global step {steps}, expected {updates * passes}")
     w = tf.Variable(start.astype(np.float32))
@@ -260,11 +247,11 @@ def check_tf1_optimizer(rank: int, size: int) -> None:
     expected = start + adasum_tree([sgd_steps(start, r, 1, lr) - start for r in range(size)])
     assert_close(rank, "eager TF1 DistributedOptimizer Adasum", w.numpy(),
                  expected.astype(np.float32), 1e-5, 1e-6)
-    expect_raises(rank, "Adasum with average_aggregated_gradients", ValueError,
-                  "average_aggregated_gradients",
-                  lambda: hvd.DistributedOptimizer(
-                      tf.compat.v1.train.GradientDescentOptimizer(lr), op=hvd.Adasum,
-                      backward_passes_per_step=2, average_aggregated_gradients=True))
+    expect_error(rank, "Adasum with average_aggregated_gradients",
+                 lambda: hvd.DistributedOptimizer(
+                     tf.compat.v1.train.GradientDescentOptimizer(lr), op=hvd.Adasum,
+                     backward_passes_per_step=2, average_aggregated_gradients=True),
+                 ValueError, "average_aggregated_gradients")
 
 
 CHECKS = (check_allreduce, check_process_sets_and_errors, check_gradient_tape,

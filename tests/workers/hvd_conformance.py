@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, fail, rank_data
+from worker_util import assert_close, barrier, fail, rank_data
 
 
 def broadcast_variables_in_tf_function() -> None:
@@ -64,7 +64,7 @@ def each_rank_its_own_process_set() -> None:
     assert_close(rank, f"eager name='same' sum over {members}",
                  hvd.allreduce(value, op=hvd.Sum, process_set=mine, name="same").numpy(),
                  expected, rtol=1e-6)
-    hvd.allreduce(np.float32([0.0]), name="barrier")  # no rank removes the sets too early
+    barrier("sets used")  # no rank removes the sets too early
     hvd.remove_process_set(odd)
     hvd.remove_process_set(even)
 
@@ -92,7 +92,7 @@ def init_with_a_repeated_set_registers_none() -> None:
     assert_close(rank, f"sum over {members}",
                  hvd.allreduce(value, op=hvd.Sum, process_set=mine).numpy(),
                  sum(rank_data(r, (3,), np.float32) for r in members), rtol=1e-6)
-    hvd.allreduce(np.float32([0.0]), name="barrier.init_sets")
+    barrier("init_sets")
     hvd.remove_process_set(others)
     hvd.remove_process_set(first)
 

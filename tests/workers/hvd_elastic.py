@@ -16,7 +16,7 @@ from keras_common import hvd as hvd_keras
 import numpy as np
 import tensorflow as tf
 from hvd_checks import run_checks
-from worker_util import assert_close, fail, rank_data
+from worker_util import agree, assert_close, fail, rank_data
 
 import perseus_legacy as hvd
 from perseus_legacy.keras.optimizer import optimizer_variables
@@ -92,7 +92,7 @@ def check_custom_loop(rank: int, size: int) -> None:
     committed = model.get_weights()
     for k, (got, want) in enumerate(zip(committed, reference.get_weights())):
         assert_close(rank, f"elastic custom loop: weight {k}", got, want, 1e-5, 1e-6)
-    kc.same_on_every_rank("elastic custom loop", committed)
+    agree(hvd.rank(), "elastic custom loop", committed)
     slots = [v.numpy() for v in optimizer_variables(opt)]
     step(0)  # not committed: restore() drops it
     state.epoch = 99

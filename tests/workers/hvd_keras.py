@@ -15,6 +15,7 @@ import os
 import sys
 
 import numpy as np
+from worker_util import agree, barrier, fail
 
 from perseus_legacy.keras.keras2 import keras
 
@@ -32,9 +33,10 @@ def check_backward_passes(mode: str, average: bool) -> None:
     inputs, y = kc.shard(*kc.data())
     # Two passes of BATCH/2 rows per update: the rows of one global batch of BATCH * size().
     m.fit(list(inputs), y, batch_size=kc.BATCH // 2, epochs=EPOCHS, shuffle=False, verbose=0)
-    kc.same_on_every_rank(case, m.get_weights())
+    agree(hvd.rank(), case, m.get_weights())
     if m.optimizer.iterations.numpy() != EPOCHS * len(y) // (kc.BATCH // 2):
-        kc.fail(f"{case}: iterations {m.optimizer.iterations.numpy()} do not count every pass")
+        fail(hvd.rank(),
+             f"{case}: iterations {m.optimizer.iterations.numpy()} do not count every pass")
     if hvd.rank() == 0:
         # Summed passes are twice the mean: the same as SGD with twice the rate.
         reference_lr = lr if average else 2 * lr
@@ -42,10 +44,10 @@ def check_backward_passes(mode: str, average: bool) -> None:
                                         hvd.size())
         for i, (got, want) in enumerate(zip(m.get_weights(), expected)):
             if not np.allclose(got, want, rtol=1e-5, atol=1e-6):
-                kc.fail(f"{case}: weight {i} differs from single-process fit by "
+                fail(hvd.rank(), f"{case}: weight {i} differs from single-process fit by "
                         f"{np.abs(got - want).max()}")
         print(f"{case}: same weights as single-process fit on the global batch", flush=True)
-    kc.barrier(case)
+    barrier(case)
 
 
 def check_local_layer() -> None:
@@ -60,10 +62,10 @@ def check_local_layer() -> None:
     callback = hvd.callbacks.BroadcastGlobalVariablesCallback(
         0, local_variables=local.trainable_weights)
     m.fit(x, y, batch_size=kc.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[callback])
-    kc.same_on_every_rank("PartialDistributedOptimizer shared layer", shared.get_weights())
+    agree(hvd.rank(), "PartialDistributedOptimizer shared layer", shared.get_weights())
     everyone = hvd.allgather(kc.flat(local.get_weights())[None, :]).numpy()
     if np.allclose(everyone[0], everyone[1]):
-        kc.fail("PartialDistributedOptimizer: the local layer is the same on every rank")
+        fail(hvd.rank(), "PartialDistributedOptimizer: the local layer is the same on every rank")
     print("local layer: shared weights equal, local weights per rank", flush=True)
 
 
@@ -88,13 +90,13 @@ def check_schedule_and_best_checkpoint(shared_dir: str) -> None:
     steps = len(y) // kc.BATCH
     expected = [0.3] * steps + [0.2] * steps + [0.1] * (2 * steps)  # unchanged after epoch 3
     if not np.allclose(lrs, expected):
-        kc.fail(f"LearningRateScheduleCallback rates {lrs}, expected {expected}")
+        fail(hvd.rank(), f"LearningRateScheduleCallback rates {lrs}, expected {expected}")
     if not np.allclose(history.history["lr"], [0.3, 0.2, 0.1, 0.1]):
-        kc.fail(f"logged lr {history.history['lr']}")
-    kc.barrier("best checkpoint")
+        fail(hvd.rank(), f"logged lr {history.history['lr']}")
+    barrier("best checkpoint")
     saved = sorted(f for f in os.listdir(shared_dir) if f.startswith("best-"))
     if saved != ["best-rank0.h5"]:
-        kc.fail(f"BestModelCheckpoint files {saved}, expected rank 0's only")
+        fail(hvd.rank(), f"BestModelCheckpoint files {saved}, expected rank 0's only")
     print("schedule and best checkpoint: ok", flush=True)
 
 

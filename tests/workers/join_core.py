@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-from worker_util import assert_close, fail, rank_data
+from worker_util import assert_close, expect_error, fail, rank_data
 
 import perseus_legacy as pl
 from perseus_legacy import _core
@@ -23,18 +23,6 @@ SHAPE = (3, 4)
 
 def steps_of(r: int) -> int:
     return 5 + 3 * r
-
-
-def expect_error(rank: int, what: str, call, *needles: str) -> None:
-    try:
-        call()
-    except RuntimeError as exc:
-        for needle in needles:
-            if needle not in str(exc):
-                fail(rank, f"{what}: the error does not say {needle!r}: {exc}")
-        print(f"[rank {rank}] {what}: got the expected error: {exc}", flush=True)
-    else:
-        fail(rank, f"{what}: no error")
 
 
 def check_join_returns(rank: int, what: str, expected_last: int) -> None:
@@ -106,10 +94,10 @@ def with_a_joined_rank(rank: int, size: int) -> None:
     got = _core.broadcast(data[rank], 0, "joined.bcast")
     assert_close(rank, "broadcast from a rank with data", got, data[0])
     expect_error(rank, "broadcast from a joined root",
-                 lambda: _core.broadcast(data[rank], joined, "joined.bcast_root"),
+                 lambda: _core.broadcast(data[rank], joined, "joined.bcast_root"), RuntimeError,
                  '"joined.bcast_root"', f"root_rank {joined} has joined")
     expect_error(rank, "alltoall while a rank has joined",
-                 lambda: _core.alltoall(np.ones((size, 2)), "joined.a2a"),
+                 lambda: _core.alltoall(np.ones((size, 2)), "joined.a2a"), RuntimeError,
                  '"joined.a2a"', f"ranks [{joined}] have joined")
     # Rank 0 joins last: rank 1 (with 3 ranks) joins first and rank 0 reduces alone meanwhile.
     if rank != 0:
@@ -155,7 +143,8 @@ def shutdown_while_others_join(rank: int, size: int) -> None:
     if rank == leaver:
         _core.shutdown()
         return
-    expect_error(rank, "join while a rank shuts down", pl.join, f"rank {leaver} shut down")
+    expect_error(rank, "join while a rank shuts down", pl.join,
+                 RuntimeError, f"rank {leaver} shut down")
 
 
 def main() -> None:

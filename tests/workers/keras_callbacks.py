@@ -14,6 +14,7 @@ import os
 import sys
 
 import numpy as np
+from worker_util import agree, barrier, fail
 import tf_keras
 
 WARMUP_EPOCHS, INITIAL_LR, MOMENTUM = 2, 0.1, 0.9
@@ -90,7 +91,7 @@ def broadcast() -> dict:
     m = fitted(seed, tf_keras.optimizers.Adam(0.01),
                [hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                 Recorder(on_train_batch_begin=first_batch)], 1)
-    kc.same_on_every_rank("after fit with BroadcastGlobalVariablesCallback", m.get_weights())
+    agree(hvd.rank(), "after fit with BroadcastGlobalVariablesCallback", m.get_weights())
     return seen
 
 
@@ -111,13 +112,13 @@ def backup_and_restore(shared: str) -> dict:
                [hvd.callbacks.BackupAndRestore(backup_dir),
                 Recorder(on_epoch_begin=begun("stopped_run")), Recorder(on_epoch_begin=stop)],
                BACKUP_EPOCHS)
-        kc.fail("the run was not stopped")
+        fail(hvd.rank(), "the run was not stopped")
     except Stop:
         pass
-    kc.barrier("stopped")
+    barrier("stopped")
     seen["backup_dirs_after_stop"] = sorted(
         d for d in os.listdir(shared) if d.startswith("backup-rank"))
-    kc.barrier("listed")
+    barrier("listed")
     # A new process would start from fresh random weights: different ones on every rank here.
     resumed = fitted(20 + hvd.rank(), tf_keras.optimizers.Adam(0.01),
                      [hvd.callbacks.BackupAndRestore(backup_dir),
@@ -138,7 +139,7 @@ def load_model(shared: str) -> dict:
     m.fit(list(inputs), y, batch_size=kc.BATCH, epochs=1, shuffle=False, verbose=0)
     if hvd.rank() == 0:
         m.save(path)
-    kc.barrier("saved")
+    barrier("saved")
     plain = tf_keras.models.load_model(path)
     loaded = hvd.load_model(path)
     seen = {"plain_is_distributed": isinstance(plain.optimizer,
@@ -149,7 +150,7 @@ def load_model(shared: str) -> dict:
             "iterations_saved": int(m.optimizer.iterations),
             "iterations_loaded": int(loaded.optimizer.iterations)}
     loaded.fit(list(inputs), y, batch_size=kc.BATCH, epochs=1, shuffle=False, verbose=0)
-    kc.same_on_every_rank("after fit of the loaded model", loaded.get_weights())
+    agree(hvd.rank(), "after fit of the loaded model", loaded.get_weights())
     if hvd.rank() == 0:
         expected = kc.reference_weights(initial, tf_keras.optimizers.Adam(0.01), 2, hvd.size())
         seen["max_diff_to_single_process"] = float(
@@ -164,7 +165,7 @@ def main() -> None:
                "broadcast": broadcast(), "backup": backup_and_restore(shared),
                "load_model": load_model(shared)}
     kc.write_json(os.path.join(shared, f"rank{hvd.rank()}.json"), results)
-    kc.barrier("done")
+    barrier("done")
     hvd.shutdown()
 
 

@@ -10,10 +10,8 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 import perseus_legacy.keras as hvd
 
 import json
-import sys
 
 import numpy as np
-import tensorflow as tf
 from perseus_legacy.keras.keras2 import keras as tf_keras  # tf-keras, or tf.keras on TF < 2.16
 
 FEATURES, VOCAB, CLASSES = 6, 10, 3
@@ -70,24 +68,6 @@ def reference_weights(initial: list, optimizer, epochs: int, size: int) -> list:
 
 def flat(weights: list) -> np.ndarray:
     return np.concatenate([np.ravel(w).astype(np.float64) for w in weights])
-
-
-def same_on_every_rank(what: str, weights: list) -> None:
-    """Fails unless every rank holds exactly rank 0's values."""
-    mine = flat(weights)
-    everyone = hvd.allgather(mine[None, :], name=f"check.{what}").numpy()
-    for r, values in enumerate(everyone):
-        if not np.array_equal(values, everyone[0]):
-            fail(f"{what}: rank {r} differs from rank 0 by {np.abs(values - everyone[0]).max()}")
-
-
-def fail(message: str) -> None:
-    print(f"[rank {hvd.rank()}] FAILED: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
-
-
-def barrier(name: str) -> None:
-    hvd.allreduce(tf.constant(0), name=f"barrier.{name}").numpy()
 
 
 def write_json(path: str, value) -> None:

@@ -15,6 +15,7 @@ from keras_common import hvd
 import sys
 
 import numpy as np
+from worker_util import agree, barrier, fail
 
 EPOCHS = 2
 RTOL, ATOL = 1e-5, 1e-6
@@ -37,18 +38,18 @@ def check(case: str) -> None:
                      run_eagerly=mode == "eager")
     inputs, y = kc.shard(*kc.data())
     m.fit(list(inputs), y, batch_size=kc.BATCH, epochs=EPOCHS, shuffle=False, verbose=0)
-    kc.same_on_every_rank(case, m.get_weights())
+    agree(hvd.rank(), case, m.get_weights())
     if hvd.rank() == 0:
         expected = kc.reference_weights(initial, kc.OPTIMIZERS[name](), EPOCHS, hvd.size())
         moved = np.abs(kc.flat(expected) - kc.flat(initial)).max()
         if moved < 1e-2:
-            kc.fail(f"{case}: the reference barely trained (max change {moved})")
+            fail(hvd.rank(), f"{case}: the reference barely trained (max change {moved})")
         for i, (got, want) in enumerate(zip(m.get_weights(), expected)):
             if not np.allclose(got, want, rtol=rtol, atol=atol):
-                kc.fail(f"{case}: weight {i} differs from single-process fit by "
+                fail(hvd.rank(), f"{case}: weight {i} differs from single-process fit by "
                         f"{np.abs(got - want).max()} (rtol={rtol}, atol={atol})")
         print(f"{case}: same weights as single-process fit on the global batch", flush=True)
-    kc.barrier(case)
+    barrier(case)
 
 
 def main() -> None:

@@ -23,20 +23,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, fail, rank_data
-
-
-def expect_error(rank: int, what: str, call, error_type, *fragments: str) -> str:
-    try:
-        call()
-    except error_type as exc:
-        text = str(exc)
-        for fragment in fragments:
-            if fragment not in text:
-                fail(rank, f"{what}: error without {fragment!r}: {text}")
-        return text
-    fail(rank, f"{what}: no {error_type.__name__} raised")
-    return ""
+from worker_util import assert_close, expect_error, fail, rank_data
 
 
 def check_queries(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> None:

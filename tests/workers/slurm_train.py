@@ -19,7 +19,7 @@ import train_models
 from train_models import RTOL, ATOL, VAR_NAMES, check_checkpoint_files, distributed, reference
 from worker_util import assert_close, fail
 
-from perseus_legacy import tf_config
+from perseus_legacy.common import tf_config
 
 CONTROLLER, NODES, TASKS_PER_NODE, SHARED = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), \
     sys.argv[4]

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, fail
+from worker_util import assert_close, barrier, fail
 
 STEPS = 5
 GLOBAL_BATCH = 6  # divisible by 2 and 3
@@ -141,13 +141,9 @@ def run_in_plain_session(run_steps) -> list:
         return run_steps(sess)
 
 
-def barrier() -> None:
-    pl.allreduce(tf.constant(0.0), name="barrier")
-
-
 def check_checkpoint_files(rank: int, size: int, root: str, expected: list) -> None:
     """Every rank: only rank 0 wrote, and its last checkpoint holds the trained values."""
-    barrier()  # rank 0 has closed its session (final checkpoint written) before anyone looks
+    barrier("checkpoint written")  # rank 0 has closed its session before anyone looks
     entries = sorted(os.listdir(root))
     if not any(e.endswith(".index") for e in entries) or "checkpoint" not in entries:
         fail(rank, f"no checkpoint in {root}: {entries}")
@@ -168,7 +164,7 @@ def check_checkpoint_files(rank: int, size: int, root: str, expected: list) -> N
     for name, want in zip(VAR_NAMES, expected):
         assert_close(rank, f"checkpoint {name}", reader.get_tensor(name), want, rtol=RTOL,
                      atol=ATOL)
-    barrier()  # nobody removes the directory while another rank still reads it
+    barrier("checkpoint read")  # nobody removes the directory while another rank reads it
 
 
 def main() -> None:

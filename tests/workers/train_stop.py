@@ -20,9 +20,9 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from train_models import (ATOL, CONFIG, OPTIMIZERS, RTOL, VAR_NAMES, barrier, build_model,
+from train_models import (ATOL, CONFIG, OPTIMIZERS, RTOL, VAR_NAMES, build_model,
                           initial_values, local_batch, reference)
-from worker_util import assert_close, fail
+from worker_util import assert_close, barrier, fail
 
 SHORT, LONG = 4, 6
 
@@ -78,7 +78,7 @@ def main() -> None:
     expected = reference("adam", SHORT)
     for name, got, want in zip(VAR_NAMES, final, expected):
         assert_close(rank, f"{what}: {name}", got, want, rtol=RTOL, atol=ATOL)
-    barrier()  # rank 0's session is closed: its last checkpoint is written
+    barrier("stopped")  # rank 0's session is closed: its last checkpoint is written
     latest = tf.train.latest_checkpoint(root)
     if latest is None or not latest.endswith(f"-{SHORT}"):
         fail(rank, f"{what}: rank 0's latest checkpoint is {latest}, expected step {SHORT}")
@@ -86,7 +86,7 @@ def main() -> None:
     for name, want in zip(VAR_NAMES, expected):
         assert_close(rank, f"{what}: checkpoint {name}", reader.get_tensor(name), want,
                      rtol=RTOL, atol=ATOL)
-    barrier()
+    barrier("checked")
     print(f"[rank {rank}] OK: {scenario}: ran {runs} steps, all ranks end at step {SHORT}",
           flush=True)
 

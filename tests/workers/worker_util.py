@@ -1,8 +1,14 @@
-"""Helpers for scripts that run on every rank: checks that name the rank, seeded data."""
+"""The helpers of the scripts that run on every rank (tests/workers/*.py): checks that name the
+rank, expected errors, seeded data, a barrier, agreement across ranks, the files a rank wrote.
+
+The launching side's helpers are in tests/harness.py.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Callable
 
 import numpy as np
 
@@ -35,3 +41,45 @@ def rank_data(rank: int, shape, dtype, seed: int = 0) -> np.ndarray:
     if dtype.kind in "iu":
         return rng.integers(1, 5, size=shape).astype(dtype)  # small: products stay in range
     return rng.uniform(0.5, 1.5, size=shape).astype(dtype)
+
+
+def expect_error(rank: int, what: str, call: Callable, error: type, *fragments: str) -> str:
+    """Fails unless `call()` raises `error` saying every fragment; returns the message."""
+    try:
+        call()
+    except error as exc:
+        text = str(exc)
+        for fragment in fragments:
+            if fragment not in text:
+                fail(rank, f"{what}: the {error.__name__} does not say {fragment!r}: {text}")
+        print(f"[rank {rank}] {what}: got the expected error: {text}", flush=True)
+        return text
+    fail(rank, f"{what}: no {error.__name__} raised")
+    return ""
+
+
+def barrier(name: str) -> None:
+    """Returns once every rank has called barrier(name) (eager: a collective of its own name)."""
+    import perseus_legacy
+
+    perseus_legacy.allreduce(np.zeros(1, np.float32), name=f"barrier.{name}")
+
+
+def agree(rank: int, what: str, value) -> None:
+    """Fails unless every rank holds exactly rank 0's values of `value` (an array, or a list of
+    arrays: flattened and joined)."""
+    import perseus_legacy
+
+    values = value if isinstance(value, (list, tuple)) else [value]
+    mine = np.concatenate([np.ravel(np.asarray(v)) for v in values])
+    everyone = np.asarray(perseus_legacy.allgather(mine[None, :], name=f"agree.{what}"))
+    for r, theirs in enumerate(everyone):
+        if not np.array_equal(theirs, everyone[0]):
+            gap = np.abs(theirs.astype(np.float64) - everyone[0].astype(np.float64)).max()
+            fail(rank, f"{what}: rank {r} differs from rank 0 by {gap}")
+
+
+def files_under(path: str) -> list:
+    """Every file below `path`, relative to it, sorted (none when `path` does not exist)."""
+    return sorted(os.path.relpath(os.path.join(d, f), path)
+                  for d, _, names in os.walk(path) for f in names)
