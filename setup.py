@@ -1,8 +1,8 @@
 """Builds perseus_legacy: the native runtime library, the TensorFlow op library, the pybind11 core.
 
 Three native products land inside the package directory:
-  libperseus_common.so      ops/runtime + ops/transport - the framework-free runtime and its
-                            transports, MPI and TCP (one state per process)
+  libperseus_common.so      ops/common + ops/transport + ops/runtime - the framework-free
+                            runtime and its transports, MPI and TCP (one state per process)
   _core.<ext>               ops/python  - pybind11 module, links the runtime
   _tf_ops.<ext>             ops/tensorflow - TF custom ops, links the runtime and TensorFlow
 Every source includes the others by their path under ops/ ("runtime/runtime.h").
@@ -97,7 +97,7 @@ class BuildNative(build_ext):
             _, tf_compile, tf_link = _tf_flags(OTHER_TF_PYTHON)
         else:
             objects = self.compiler.compile(
-                _sources("ops/runtime") + _sources("ops/transport"),
+                _sources("ops/common") + _sources("ops/transport") + _sources("ops/runtime"),
                 output_dir=self.build_temp, include_dirs=[os.path.join(ROOT, "ops")] + mpi_inc,
                 extra_postargs=CXXFLAGS)
             common_lib = os.path.join(package_dir, COMMON_LIB)

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/runtime.h"
 #include "transport/tcp_auth.h"
 

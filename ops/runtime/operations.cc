@@ -6,7 +6,7 @@
 #include <limits>
 #include <string>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 
 namespace perseus {
 namespace {

@@ -6,7 +6,7 @@
 
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/fusion.h"
 #include "runtime/message.h"
 #include "runtime/stats.h"

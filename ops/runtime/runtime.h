@@ -8,7 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
+#include "transport/options.h"
 
 namespace perseus {
 
@@ -21,16 +22,6 @@ namespace perseus {
 // Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
 Status Init(intptr_t mpi_comm_handle);
-
-// Where the TCP controller's ranks meet (see transport/tcp_controller.h); the launcher side
-// computes it.
-struct TcpOptions {
-  int rank = 0;
-  std::vector<std::string> addresses;  // "host:port" of every rank, in rank order
-  int local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
-  std::string secret;                  // the job secret every rank must prove it knows
-  double start_timeout_secs = 120.0;   // how long ranks wait for each other at start-up
-};
 
 // Init over TCP instead of MPI: MPI is never initialized. Same rules as Init otherwise.
 Status InitTcp(const TcpOptions& options);

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common.h"
-#include "runtime/runtime.h"
+#include "common/common.h"
+#include "transport/options.h"
 
 namespace perseus {
 

@@ -12,7 +12,7 @@
 #include <thread>
 #include <type_traits>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 
 namespace perseus {
 namespace {

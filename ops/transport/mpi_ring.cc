@@ -8,7 +8,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 #include "transport/mpi_controller.h"
 
 namespace perseus {

@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/runtime.h"
+#include "transport/options.h"
 #include "transport/controller.h"
 #include "transport/tcp_socket.h"
 
