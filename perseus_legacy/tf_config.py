@@ -11,6 +11,7 @@ tf.estimator does). `controller_from_env()` decides between MPI and TCP.
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 from collections.abc import Mapping
@@ -209,10 +210,12 @@ def controller_from_env(env: Mapping[str, str] | None = None) -> str:
     """"mpi" or "tcp": PERSEUS_CONTROLLER if set; MPI under an MPI launcher; TCP with a cluster."""
     env = os.environ if env is None else env
     choice = env.get("PERSEUS_CONTROLLER", "").strip().lower()
-    if choice in ("mpi", "tcp"):
-        return choice
     if choice:
-        raise ValueError(f"PERSEUS_CONTROLLER={env['PERSEUS_CONTROLLER']!r}: expected mpi or tcp")
+        names = [t["name"] for t in importlib.import_module("perseus_legacy._core").transports()]
+        if choice not in names:
+            raise ValueError(f"PERSEUS_CONTROLLER={env['PERSEUS_CONTROLLER']!r}: expected one of "
+                             f"{', '.join(names)}")
+        return choice
     if any(name in env for name in MPI_LAUNCHER_VARIABLES):
         return "mpi"
     if env.get(ADDRESSES_VARIABLE) or env.get("TF_CONFIG", "").strip():

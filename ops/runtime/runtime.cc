@@ -29,6 +29,7 @@
 #include "runtime/tensor_queue.h"
 #include "runtime/timeline.h"
 #include "transport/controller.h"
+#include "transport/registry.h"
 
 namespace perseus {
 namespace {
@@ -133,7 +134,7 @@ class Runtime {
     }
   }
 
-  Status Init(intptr_t comm_handle, const TcpOptions* tcp = nullptr);
+  Status Init(const std::string& transport, const TransportOptions& options);
   void Shutdown();
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
   Status Join(int* last_joined_rank);
@@ -149,7 +150,10 @@ class Runtime {
   int cross_rank() const { return cross_rank_.load(); }
   int cross_size() const { return cross_size_.load(); }
   bool threads_supported() const { return threads_supported_.load(); }
-  std::string controller_name() const { return tcp_ ? "tcp" : "mpi"; }
+  std::string controller_name() const {
+    const Transport* transport = transport_.load();
+    return transport ? transport->name : "";
+  }
   std::vector<std::pair<std::string, int64_t>> stats() const;
   Status StartTimeline(const std::string& path);
   void StopTimeline() { timeline_.Stop(); }
@@ -185,7 +189,7 @@ class Runtime {
   std::atomic<int> rank_{-1}, size_{-1}, local_rank_{-1}, local_size_{-1};
   std::atomic<int> cross_rank_{-1}, cross_size_{-1};
   std::atomic<bool> threads_supported_{false};
-  std::atomic<bool> tcp_{false};
+  std::atomic<const Transport*> transport_{nullptr};  // of the current or last Init
   // Set when a collective of this rank ran while another rank had joined; TakePeerJoined resets.
   std::atomic<bool> peer_joined_{false};
   Config config_;
@@ -235,15 +239,24 @@ Runtime& State() {
   return state;
 }
 
-Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
+Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   std::lock_guard<std::mutex> init_lock(init_mu_);
   if (initialized_) return Status::OK();
+  const Transport* transport = FindTransport(name);
+  if (transport == nullptr) {
+    std::string known;
+    for (const Transport& t : RegisteredTransports()) known += (known.empty() ? "" : ", ") + t.name;
+    return Status::Error("perseus_legacy: no transport is called \"" + name +
+                         "\"; this build registers: " + known);
+  }
+  if (transport->create == nullptr) {
+    return Status::Error("perseus_legacy: this build has no " + transport->label + " transport");
+  }
   Config config;
   Status s = ReadConfig(&config);
   if (!s.ok()) return s;
   std::unique_ptr<Controller> controller;
-  s = tcp ? CreateTcpController(*tcp, &controller)
-          : CreateMpiController(comm_handle, &controller);
+  s = transport->create(options, &controller);
   if (s.ok()) s = AgreeOnSettings(controller.get(), config);
   if (!s.ok()) return s;
 
@@ -251,7 +264,7 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   peer_joined_ = false;
   controller_ = std::move(controller);
   controller_->SetWaitLimits(config_.stall_warning_secs, config_.stall_shutdown_secs);
-  tcp_ = tcp != nullptr;
+  transport_ = transport;
   rank_ = controller_->rank();
   size_ = controller_->size();
   local_rank_ = controller_->local_rank();
@@ -271,7 +284,7 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   announced_.clear();
   cache_ = CacheRounds(static_cast<size_t>(config_.cache_capacity));
   joined_ = false;
-  timeline_.SetIdentity(rank_, tcp_ ? "TCP" : "MPI");
+  timeline_.SetIdentity(rank_, transport->label);
   if (rank_ == 0 && config_.hierarchical == Hierarchical::kAlways &&
       (controller_->local() == nullptr || controller_->cross() == nullptr)) {
     Log("PERSEUS_HIERARCHICAL_ALLREDUCE=1, but every allreduce runs flat: the hierarchical one "
@@ -771,8 +784,9 @@ void Runtime::Log(const std::string& text) const {
 
 }  // namespace
 
-Status Init(intptr_t mpi_comm_handle) { return State().Init(mpi_comm_handle); }
-Status InitTcp(const TcpOptions& options) { return State().Init(0, &options); }
+Status Init(const std::string& transport, const TransportOptions& options) {
+  return State().Init(transport, options);
+}
 void Shutdown() { State().Shutdown(); }
 bool IsInitialized() { return State().initialized(); }
 int Rank() { return State().rank(); }
@@ -782,8 +796,13 @@ int LocalSize() { return State().local_size(); }
 int CrossRank() { return State().cross_rank(); }
 int CrossSize() { return State().cross_size(); }
 bool MpiThreadsSupported() { return State().threads_supported(); }
-bool MpiBuilt() { return true; }
-bool TcpBuilt() { return true; }
+std::vector<std::pair<std::string, bool>> Transports() {
+  std::vector<std::pair<std::string, bool>> all;
+  for (const Transport& transport : RegisteredTransports()) {
+    all.emplace_back(transport.name, transport.built);
+  }
+  return all;
+}
 std::string ControllerName() { return State().controller_name(); }
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;

@@ -13,18 +13,15 @@
 
 namespace perseus {
 
-// Starts the background thread and the controller. `mpi_comm_handle` is an MPI_Comm (as an
-// integer, e.g. from mpi4py's MPI._handleof(comm)) or 0 for MPI_COMM_WORLD. Calling Init again
-// while initialized is a no-op returning OK. Blocks until every rank has initialized.
-// Reads the PERSEUS_* settings (FUSION_THRESHOLD bytes, default 64 MiB; CYCLE_TIME ms, 1.0;
-// STALL_WARNING_SECS, 60; STALL_SHUTDOWN_SECS, 0 = never; CACHE_CAPACITY, 1024, 0 = no response
-// cache; TIMELINE, a path, unset = no timeline) on each call that initializes.
-// Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
+// Starts the controller of the registered transport `transport` ("mpi", "tcp": see
+// transport/registry.h) with `options`, and the background thread. Calling Init again while
+// initialized is a no-op returning OK. Blocks until every rank has initialized. An error naming
+// the registered transports when `transport` is none of them, and saying so when this build
+// left it out. Reads the PERSEUS_* settings (docs/settings.md) on each call that initializes.
+// MPI: Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
-Status Init(intptr_t mpi_comm_handle);
-
-// Init over TCP instead of MPI: MPI is never initialized. Same rules as Init otherwise.
-Status InitTcp(const TcpOptions& options);
+// TCP: MPI is never initialized.
+Status Init(const std::string& transport, const TransportOptions& options);
 
 // Stops the background thread; pending and later requests fail with a shutdown error on every
 // rank. Safe to call more than once, and when never initialized.
@@ -41,9 +38,10 @@ int CrossRank();
 int CrossSize();
 
 bool MpiThreadsSupported();
-bool MpiBuilt();  // always true today
-bool TcpBuilt();  // always true today
-std::string ControllerName();  // "mpi" or "tcp" while initialized
+// Every registered transport's name and whether this build has it, in name order.
+std::vector<std::pair<std::string, bool>> Transports();
+// The transport of the current (or, after Shutdown, the last) Init; "" before the first.
+std::string ControllerName();
 
 // Hands a request to the background thread; never blocks on communication.
 // Returns an error (and does not call done) if the runtime is not initialized or has shut down,
