@@ -7,12 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <map>
@@ -25,6 +22,7 @@
 #include "runtime/negotiation.h"
 #include "runtime/operations.h"
 #include "runtime/response_cache.h"
+#include "runtime/settings.h"
 #include "runtime/stats.h"
 #include "runtime/tensor_queue.h"
 #include "runtime/timeline.h"
@@ -38,79 +36,18 @@ namespace {
 // coordinator's stall checks never wait on a rank that has nothing to submit.
 constexpr auto kHeartbeat = std::chrono::seconds(1);
 
-// PERSEUS_* settings, read once by Init (defaults are in the README's table).
-struct Config {
-  int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
-  double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
-  double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
-  // PERSEUS_STALL_SHUTDOWN_SECS: also bounds every wait on a rank that stopped answering (MPI).
-  // Ranks keep answering rounds from their background thread while their Python code is busy,
-  // and the Estimator's chief gate answers through rank 0's evaluations and checkpoints, so
-  // only a frozen process, a dead host or a cut link stays silent this long. 5 minutes stays
-  // clear of long but healthy pauses (a rank paged out, a slow checkpoint under a hook of
-  // one's own) and does not let a dead host hold a whole cluster for hours.
-  double stall_shutdown_secs = 300.0;
-  double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
-  std::string timeline_path;                            // PERSEUS_TIMELINE
-  Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
-};
-
-constexpr const char* kHierarchicalNames[] = {"auto", "0", "1"};  // by Hierarchical's value
-
-Status ReadHierarchical(Hierarchical* value) {
-  const char* text = std::getenv("PERSEUS_HIERARCHICAL_ALLREDUCE");
-  if (text == nullptr || *text == '\0') return Status::OK();
-  for (const Hierarchical choice :
-       {Hierarchical::kAuto, Hierarchical::kNever, Hierarchical::kAlways}) {
-    if (std::string(text) == kHierarchicalNames[static_cast<int>(choice)]) {
-      *value = choice;
-      return Status::OK();
-    }
-  }
-  return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE=\"") + text +
-                       "\" is not one of auto, 0, 1");
-}
-
-Status ReadNumber(const char* name, double* value) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return Status::OK();
-  char* end = nullptr;
-  errno = 0;
-  const double parsed = std::strtod(text, &end);
-  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(parsed) || parsed < 0) {
-    return Status::Error(std::string("perseus_legacy: ") + name + "=\"" + text +
-                         "\" is not a non-negative number");
-  }
-  *value = parsed;
-  return Status::OK();
-}
-
-Status ReadConfig(Config* config) {
-  double fusion = static_cast<double>(config->fusion_threshold_bytes);
-  Status s = ReadNumber("PERSEUS_FUSION_THRESHOLD", &fusion);
-  if (s.ok()) s = ReadNumber("PERSEUS_CYCLE_TIME", &config->cycle_time_ms);
-  if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &config->stall_warning_secs);
-  if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
-  if (s.ok()) s = ReadNumber("PERSEUS_CACHE_CAPACITY", &config->cache_capacity);
-  if (s.ok()) s = ReadHierarchical(&config->hierarchical);
-  config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
-  const char* timeline = std::getenv("PERSEUS_TIMELINE");
-  config->timeline_path = timeline ? timeline : "";
-  return s;
-}
-
 // Settings that change which transfers a collective makes must be the same on every rank, or
 // the ranks would wait on transfers the others never make: an error on every rank otherwise.
-Status AgreeOnSettings(Controller* controller, const Config& config) {
+Status AgreeOnSettings(Controller* controller, const Settings& settings) {
   const int size = controller->size();
-  const uint8_t mine = static_cast<uint8_t>(config.hierarchical);
+  const uint8_t mine = static_cast<uint8_t>(settings.hierarchical);
   std::vector<uint8_t> all(static_cast<size_t>(size));
   Status s = controller->Allgatherv(&mine, all.data(), std::vector<int64_t>(size, 1), 1);
   if (!s.ok()) return s;
   std::string differ;
   for (int r = 0; r < size; ++r) {
     if (all[r] == all[0]) continue;
-    differ += ", rank " + std::to_string(r) + " has " + kHierarchicalNames[all[r] % 3];
+    differ += ", rank " + std::to_string(r) + " has " + HierarchicalName(static_cast<Hierarchical>(all[r]));
   }
   if (differ.empty()) return Status::OK();
   // Every rank fails alike; none leaves before all have their data, or its closing connections
@@ -118,7 +55,7 @@ Status AgreeOnSettings(Controller* controller, const Config& config) {
   static_cast<void>(controller->Barrier());
   return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE differs "
                                    "between ranks: rank 0 has ") +
-                       kHierarchicalNames[all[0] % 3] + differ +
+                       HierarchicalName(static_cast<Hierarchical>(all[0])) + differ +
                        " (unset is auto); give every rank the same value");
 }
 
@@ -192,7 +129,7 @@ class Runtime {
   std::atomic<const Transport*> transport_{nullptr};  // of the current or last Init
   // Set when a collective of this rank ran while another rank had joined; TakePeerJoined resets.
   std::atomic<bool> peer_joined_{false};
-  Config config_;
+  Settings settings_;  // of the current Init
   std::unique_ptr<Controller> controller_;
   std::thread thread_;
   RuntimeStats stats_;  // since the process started; any thread reads them
@@ -252,18 +189,18 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   if (transport->create == nullptr) {
     return Status::Error("perseus_legacy: this build has no " + transport->label + " transport");
   }
-  Config config;
-  Status s = ReadConfig(&config);
+  Settings settings;
+  Status s = ReadSettings(&settings);
   if (!s.ok()) return s;
   std::unique_ptr<Controller> controller;
   s = transport->create(options, &controller);
-  if (s.ok()) s = AgreeOnSettings(controller.get(), config);
+  if (s.ok()) s = AgreeOnSettings(controller.get(), settings);
   if (!s.ok()) return s;
 
-  config_ = config;
+  settings_ = settings;
   peer_joined_ = false;
   controller_ = std::move(controller);
-  controller_->SetWaitLimits(config_.stall_warning_secs, config_.stall_shutdown_secs);
+  controller_->SetWaitLimits(settings_.stall_warning_secs, settings_.stall_shutdown_secs);
   transport_ = transport;
   rank_ = controller_->rank();
   size_ = controller_->size();
@@ -276,25 +213,25 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   if (rank_ == 0) {
     CoordinatorOptions options;
     options.size = size_;
-    options.fusion_threshold_bytes = config_.fusion_threshold_bytes;
-    options.stall_warning_secs = config_.stall_warning_secs;
-    options.stall_shutdown_secs = config_.stall_shutdown_secs;
+    options.fusion_threshold_bytes = settings_.fusion_threshold_bytes;
+    options.stall_warning_secs = settings_.stall_warning_secs;
+    options.stall_shutdown_secs = settings_.stall_shutdown_secs;
     coordinator_ = std::make_unique<Coordinator>(options);
   }
   announced_.clear();
-  cache_ = CacheRounds(static_cast<size_t>(config_.cache_capacity));
+  cache_ = CacheRounds(settings_.cache_capacity);
   joined_ = false;
   timeline_.SetIdentity(rank_, transport->label);
-  if (rank_ == 0 && config_.hierarchical == Hierarchical::kAlways &&
+  if (rank_ == 0 && settings_.hierarchical == Hierarchical::kAlways &&
       (controller_->local() == nullptr || controller_->cross() == nullptr)) {
     Log("PERSEUS_HIERARCHICAL_ALLREDUCE=1, but every allreduce runs flat: the hierarchical one "
         "needs several hosts with the same number of ranks, more than one, on each (here " +
         std::to_string(cross_size_) + " host(s), " + std::to_string(local_size_) +
         " rank(s) on rank 0's)");
   }
-  if (!config_.timeline_path.empty()) {
+  if (!settings_.timeline_path.empty()) {
     // Not fatal: the job runs as it would without PERSEUS_TIMELINE, and says why there is none.
-    s = timeline_.Start(Timeline::RankedPath(config_.timeline_path, rank_));
+    s = timeline_.Start(Timeline::RankedPath(settings_.timeline_path, rank_));
     if (!s.ok()) Log("WARNING: PERSEUS_TIMELINE: " + s.message());
   }
   {
@@ -502,7 +439,7 @@ void Runtime::FinishJoin(const Status& status, int last_joined_rank) {
 }
 
 void Runtime::Loop() {
-  const auto cycle = std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
+  const auto cycle = std::chrono::duration<double, std::milli>(settings_.cycle_time_ms);
   bool last_round_progressed = false;
   while (true) {
     RequestList mine;
@@ -584,7 +521,7 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
     return false;
   }
   CacheRounds::Outcome outcome =
-      cache_.Settle(bits, &announced_, config_.fusion_threshold_bytes, mine);
+      cache_.Settle(bits, &announced_, settings_.fusion_threshold_bytes, mine);
   *full = outcome.full;
   *progressed = outcome.progressed;
   RuntimeStats::Add(stats_.cache_hits, outcome.hits);
@@ -688,7 +625,7 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
   Status op;
   const Status comm =
-      Operations(controller, config_.hierarchical, &fusion_, &stats_, &timeline_)
+      Operations(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
           .Run(response, entries, &op);
   if (!comm.ok()) {
     const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
