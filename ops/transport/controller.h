@@ -54,7 +54,8 @@ class Controller {
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
   // The two halves of a ring Allreduce, for algorithms built of them (the hierarchical
-  // allreduce, operations.cc), over `count` elements split into size() segments (SegmentStart).
+  // allreduce, response_executor.cc), over `count` elements split into size() segments
+  // (SegmentStart).
   // ReduceScatter: segment rank() of `out` receives that segment's reduction over every rank's
   // `in` (in == out means in place); the rest of `out` is scratch afterwards.
   virtual Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,

@@ -16,10 +16,10 @@
 
 namespace perseus {
 
-class Operations {
+class ResponseExecutor {
  public:
-  Operations(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
-             RuntimeStats* stats, Timeline* timeline)
+  ResponseExecutor(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
+                   RuntimeStats* stats, Timeline* timeline)
       : controller_(*controller),
         hierarchical_(hierarchical),
         fusion_(*fusion),
