@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import json
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -17,8 +18,9 @@ from hashlib import sha256
 
 import pytest
 from harness import ROOT, WORKERS, launch_env
+from workers import tcp_impostor
 
-from perseus_legacy import _core, tf_config
+from perseus_legacy import tf_config
 from perseusrun import launch
 
 SECRET = "test-secret-0123456789"
@@ -122,14 +124,48 @@ def test_bad_settings_are_named():
         tf_config.parse_perseus_variables("5", "127.0.0.1:1,127.0.0.1:2")
 
 
-@pytest.mark.parametrize("key,message", [
-    (b"key", b"The quick brown fox jumps over the lazy dog"),
-    (b"", b""),
-    (b"k" * 64, b"exactly one block of key"),
-    (bytes(range(200)), b"a key longer than a block is hashed first" * 5),
-])
-def test_rendezvous_hmac_sha256_matches_pythons(key, message):
-    assert _core._hmac_sha256(key, message) == hmac.new(key, message, sha256).digest()
+@pytest.mark.parametrize("secret", [b"sixteen-byte-key", b"k" * 100],
+                         ids=["short secret", "secret longer than a block"])
+def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
+    """Rank 0 accepts a dialer whose claim carries Python's HMAC-SHA-256 and answers with the
+    HMAC Python computes; the same claim with one bit of its HMAC flipped is refused."""
+    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(2)]
+    env = launch_env({"PERSEUS_CONTROLLER": "tcp", "PERSEUS_TCP_RANK": "0",
+                      "PERSEUS_TCP_ADDRESSES": ",".join(addresses),
+                      "PERSEUS_SECRET": secret.decode(), "PERSEUS_START_TIMEOUT": "10"})
+    for name in ("TF_CONFIG", *tf_config.MPI_LAUNCHER_VARIABLES):
+        env.pop(name, None)
+    rank0 = subprocess.Popen([sys.executable, str(WORKERS / "tcp_task.py"), "init"], cwd=ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sock, hello = tcp_impostor.connect_when_listening(addresses[0], timeout=120)
+        with sock:  # rank 1's data channel, honestly
+            message = tcp_impostor.claim(hello, 1, 0, 2, secret)
+            sock.sendall(message)
+            verdict = tcp_impostor.read_exactly(sock, 1)
+            answer = tcp_impostor.read_exactly(sock, 32)
+        header, nonce = message[:12], message[12:12 + tcp_impostor.NONCE_BYTES]
+        rank0_nonce = hello[len(tcp_impostor.MAGIC) + 4:]
+        expected = hmac.new(secret, b"perseus-accept" + nonce + rank0_nonce +
+                            struct.pack("<III", 0, 1, 0), sha256).digest()
+        assert header == struct.pack("<III", 1, 0, 2)
+        assert (verdict, answer) == (b"\x01", expected)
+        sock, hello = tcp_impostor.connect_when_listening(addresses[0], timeout=30)
+        with sock:  # rank 1's control channel, with a forged HMAC
+            forged = bytearray(tcp_impostor.claim(hello, 1, 1, 2, secret))
+            forged[-1] ^= 1
+            sock.sendall(bytes(forged))
+            refusal = tcp_impostor.read_exactly(sock, 1)
+        # Rank 0 then waits for rank 1's control channel until PERSEUS_START_TIMEOUT.
+        out, _ = rank0.communicate(timeout=120)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.communicate()
+    assert refusal == b"\x00", out
+    assert rank0.returncode == 3 and "INIT FAILED" in out, out
+    assert re.search(r"perseus_legacy\[rank 0\]: refused a connection from 127\.0\.0\.1:\d+: "
+                     r"authentication failed: it does not know this job's secret", out), out
 
 
 # ---- tasks started by hand with TF_CONFIG ----------------------------------------------------

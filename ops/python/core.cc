@@ -18,7 +18,6 @@
 
 #include "common/common.h"
 #include "runtime/runtime.h"
-#include "transport/tcp_auth.h"
 
 namespace py = pybind11;
 
@@ -339,13 +338,6 @@ PYBIND11_MODULE(_core, m) {
       py::arg("start_timeout") = 120.0,
       "Joins the process group over TCP (collective): ranks meet at their `addresses` "
       "(host:port, rank order) and prove `secret`; MPI is never initialized.");
-  m.def(
-      "_hmac_sha256",
-      [](const py::bytes& key, const py::bytes& message) {
-        const Digest digest = HmacSha256(key, message);
-        return py::bytes(reinterpret_cast<const char*>(digest.data()), digest.size());
-      },
-      "HMAC-SHA-256 as the TCP rendezvous computes it (exposed for tests).");
   m.def("shutdown", &Shutdown, py::call_guard<py::gil_scoped_release>(),
         "Leaves the process group; pending and later collectives fail on every rank.");
   m.def("is_initialized", &IsInitialized);

@@ -50,9 +50,9 @@ Status Enqueue(CollectiveRequest request);
 
 // Tells the other ranks that this rank has no more data, then blocks until every rank has called
 // Join. Meanwhile this rank takes part in the other ranks' collectives with a neutral
-// contribution (see the README). On success every rank gets the same `last_joined_rank`: the
-// rank whose Join arrived last. Fails, naming the rank, when a rank shuts down or the
-// transport fails, and when a Join is already in progress on this rank.
+// contribution (docs/design.md, "join()"). On success every rank gets the same
+// `last_joined_rank`: the rank whose Join arrived last. Fails, naming the rank, when a rank shuts
+// down or the transport fails, and when a Join is already in progress on this rank.
 Status Join(int* last_joined_rank);
 
 // This process's counters since it started (see stats.h), by name: "tensors_submitted.allreduce",
