@@ -87,6 +87,8 @@ SETTINGS: tuple[Setting, ...] = (
             "build the op library for that interpreter's TensorFlow", (BUILD,)),
     Setting("PERSEUS_SKIP_TF_OPS", "unset", "a switch",
             "build without the TensorFlow op library", (BUILD,)),
+    Setting("PERSEUS_WITHOUT_MPI", "unset", "a switch",
+            "build the TCP transport only: no MPI compiled, linked or required", (BUILD,)),
     Setting(LEGACY_KERAS_SET_HERE, "unset", "1",
             "import perseus_legacy set TF_USE_LEGACY_KERAS in this process", (LIBRARY, LAUNCHER),
             documented=False),

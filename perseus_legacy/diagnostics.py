@@ -51,8 +51,8 @@ def _core() -> str:
 
 
 def _controllers() -> Any:
-    info = importlib.import_module("perseus_legacy._core").build_info()
-    return {key: "built" if info.get(key) else "not built" for key in ("mpi", "tcp")}
+    transports = importlib.import_module("perseus_legacy._core").transports()
+    return {t["name"]: "built" if t["built"] else "not built" for t in transports}
 
 
 def _tf_ops() -> str:

@@ -70,7 +70,7 @@ def test_python_names_only_settings_and_reads_them_through_perseus_env():
         text = path.read_text()
         unknown += [f"{path.relative_to(ROOT)}: {n}" for n in set(NAME.findall(text))
                     if n not in table and not n.endswith("_") and n != "PERSEUS_TCP"]
-        if path.name != "setup.py":  # the build reads its own two settings
+        if path.name != "setup.py":  # the build reads its own settings
             direct += [f"{path.relative_to(ROOT)}:{text[:m.start()].count(chr(10)) + 1}"
                        for m in DIRECT_READ.finditer(text)]
     assert not unknown, f"PERSEUS_ names missing from perseus_env.SETTINGS: {unknown}"

@@ -10,18 +10,19 @@ from __future__ import annotations
 import hmac
 import json
 import re
+import struct
 import subprocess
 import sys
 from hashlib import sha256
 
 import pytest
-from harness import ROOT, WORKERS, finish, task_env
+from harness import ROOT, WORKERS, finish, rank_env, task_env, worker_module
 
-from perseus_legacy import _core
 from perseus_legacy.common import tf_config
 from perseusrun import launch
 
 SECRET = "test-secret-0123456789"
+IMPOSTOR = worker_module("tcp_impostor")  # the handshake as a stranger speaks it
 
 
 # ---- tf_config.py: rank assignment and errors, no launch ---------------------------------------
@@ -122,14 +123,44 @@ def test_bad_settings_are_named():
         tf_config.parse_perseus_variables("5", "127.0.0.1:1,127.0.0.1:2")
 
 
-@pytest.mark.parametrize("key,message", [
-    (b"key", b"The quick brown fox jumps over the lazy dog"),
-    (b"", b""),
-    (b"k" * 64, b"exactly one block of key"),
-    (bytes(range(200)), b"a key longer than a block is hashed first" * 5),
-])
-def test_rendezvous_hmac_sha256_matches_pythons(key, message):
-    assert _core._hmac_sha256(key, message) == hmac.new(key, message, sha256).digest()
+@pytest.mark.parametrize("secret", [b"sixteen-byte-key", b"k" * 100],
+                         ids=["short secret", "secret longer than a block"])
+def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
+    """Rank 0 accepts a dialer whose claim carries Python's HMAC-SHA-256 and answers with the
+    HMAC Python computes; the same claim with one bit of its HMAC flipped is refused."""
+    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(2)]
+    env = rank_env(0, addresses, secret=secret.decode(), start_timeout=10)
+    rank0 = subprocess.Popen([sys.executable, str(WORKERS / "tcp_task.py"), "init"], cwd=ROOT,
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        sock, hello = IMPOSTOR.connect_when_listening(addresses[0], timeout=120)
+        with sock:  # rank 1's data channel, honestly
+            message = IMPOSTOR.claim(hello, 1, 0, 2, secret)
+            sock.sendall(message)
+            verdict = IMPOSTOR.read_exactly(sock, 1)
+            answer = IMPOSTOR.read_exactly(sock, 32)
+        header, nonce = message[:12], message[12:12 + IMPOSTOR.NONCE_BYTES]
+        rank0_nonce = hello[len(IMPOSTOR.MAGIC) + 4:]
+        expected = hmac.new(secret, b"perseus-accept" + nonce + rank0_nonce +
+                            struct.pack("<III", 0, 1, 0), sha256).digest()
+        assert header == struct.pack("<III", 1, 0, 2)
+        assert (verdict, answer) == (b"\x01", expected)
+        sock, hello = IMPOSTOR.connect_when_listening(addresses[0], timeout=30)
+        with sock:  # rank 1's control channel, with a forged HMAC
+            forged = bytearray(IMPOSTOR.claim(hello, 1, 1, 2, secret))
+            forged[-1] ^= 1
+            sock.sendall(bytes(forged))
+            refusal = IMPOSTOR.read_exactly(sock, 1)
+        # Rank 0 then waits for rank 1's control channel until PERSEUS_START_TIMEOUT.
+        out, _ = rank0.communicate(timeout=120)
+    finally:
+        if rank0.poll() is None:
+            rank0.kill()
+            rank0.communicate()
+    assert refusal == b"\x00", out
+    assert rank0.returncode == 3 and "INIT FAILED" in out, out
+    assert re.search(r"perseus_legacy\[rank 0\]: refused a connection from 127\.0\.0\.1:\d+: "
+                     r"authentication failed: it does not know this job's secret", out), out
 
 
 # ---- tasks started by hand with TF_CONFIG ----------------------------------------------------

@@ -16,9 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/runtime.h"
-#include "transport/tcp_auth.h"
 
 namespace py = pybind11;
 
@@ -275,6 +274,16 @@ py::tuple Alltoall(const py::object& value, const std::string& name,
   return py::make_tuple(ToArray(input.dtype(), *out), received_splits);
 }
 
+// Init of the transport `name`, without the GIL (it waits for every rank); raises its error.
+void InitOrRaise(const std::string& name, const TransportOptions& options) {
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = Init(name, options);
+  }
+  if (!s.ok()) throw std::runtime_error(s.message());
+}
+
 // The counters as a dict; "kind.type" names become {"kind": {"type": n}}.
 py::dict StatsDict() {
   py::dict stats;
@@ -302,12 +311,9 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "init",
       [](intptr_t comm_handle) {
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = Init(comm_handle);
-        }
-        if (!s.ok()) throw std::runtime_error(s.message());
+        TransportOptions options;
+        options.mpi_comm_handle = comm_handle;
+        InitOrRaise("mpi", options);
       },
       py::arg("comm_handle") = 0,
       "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given.");
@@ -315,34 +321,23 @@ PYBIND11_MODULE(_core, m) {
       "init_tcp",
       [](int rank, std::vector<std::string> addresses, int local_rank, int local_size,
          int cross_rank, int cross_size, std::string secret, double start_timeout) {
-        TcpOptions options;
-        options.rank = rank;
-        options.addresses = std::move(addresses);
-        options.local_rank = local_rank;
-        options.local_size = local_size;
-        options.cross_rank = cross_rank;
-        options.cross_size = cross_size;
-        options.secret = std::move(secret);
-        options.start_timeout_secs = start_timeout;
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = InitTcp(options);
-        }
-        if (!s.ok()) throw std::runtime_error(s.message());
+        TransportOptions options;
+        TcpOptions& tcp = options.tcp;
+        tcp.rank = rank;
+        tcp.addresses = std::move(addresses);
+        tcp.local_rank = local_rank;
+        tcp.local_size = local_size;
+        tcp.cross_rank = cross_rank;
+        tcp.cross_size = cross_size;
+        tcp.secret = std::move(secret);
+        tcp.start_timeout_secs = start_timeout;
+        InitOrRaise("tcp", options);
       },
       py::arg("rank"), py::arg("addresses"), py::arg("local_rank"), py::arg("local_size"),
       py::arg("cross_rank"), py::arg("cross_size"), py::arg("secret"),
       py::arg("start_timeout") = 120.0,
       "Joins the process group over TCP (collective): ranks meet at their `addresses` "
       "(host:port, rank order) and prove `secret`; MPI is never initialized.");
-  m.def(
-      "_hmac_sha256",
-      [](const py::bytes& key, const py::bytes& message) {
-        const Digest digest = HmacSha256(key, message);
-        return py::bytes(reinterpret_cast<const char*>(digest.data()), digest.size());
-      },
-      "HMAC-SHA-256 as the TCP rendezvous computes it (exposed for tests).");
   m.def("shutdown", &Shutdown, py::call_guard<py::gil_scoped_release>(),
         "Leaves the process group; pending and later collectives fail on every rank.");
   m.def("is_initialized", &IsInitialized);
@@ -353,14 +348,31 @@ PYBIND11_MODULE(_core, m) {
   m.def("cross_rank", &CrossRank, "Index of this host, or -1 before init().");
   m.def("cross_size", &CrossSize, "Number of hosts, or -1 before init().");
   m.def("mpi_threads_supported", &MpiThreadsSupported);
-  m.def("build_info", [] {
-    py::dict info;
-    info["mpi"] = MpiBuilt();
-    info["tcp"] = TcpBuilt();
-    info["nccl"] = false;
-    info["controller"] = ControllerName();
-    return info;
-  });
+  m.def(
+      "transports",
+      [] {
+        py::list all;
+        for (const auto& [name, built] : Transports()) {
+          py::dict transport;
+          transport["name"] = name;
+          transport["built"] = built;
+          all.append(transport);
+        }
+        return all;
+      },
+      "Every transport this library registers, in name order: [{\"name\": ..., \"built\": "
+      "bool}]; a transport that is not built fails init() saying so.");
+  m.def(
+      "build_info",
+      [] {
+        py::dict info;
+        for (const auto& [name, built] : Transports()) info[py::str(name)] = built;
+        info["nccl"] = false;
+        info["controller"] = ControllerName();
+        return info;
+      },
+      "{transport name: built, ..., \"nccl\": False, \"controller\": the transport of the "
+      "current or last init(), \"\" before the first}.");
 
   m.def(
       "join",

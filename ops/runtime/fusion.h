@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/message.h"
 
 namespace perseus {

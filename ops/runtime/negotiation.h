@@ -10,7 +10,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/message.h"
 #include "runtime/stall_inspector.h"
 

@@ -9,7 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/message.h"
 #include "runtime/tensor_queue.h"
 

@@ -1,18 +1,15 @@
 // The runtime's one state object and its background thread. The thread makes every transport
 // call: it negotiates rounds (through the response cache, response_cache.h, and the coordinator,
-// negotiation.h) and executes the answers in order (operations.h). Requests reach it through
-// the tensor queue (tensor_queue.h). It counts what it does (stats.h) and, while one runs, records
-// each tensor's phases on the timeline (timeline.h).
+// negotiation.h) and executes the answers in order (response_executor.h). Requests reach it
+// through the tensor queue (tensor_queue.h). It counts what it does (stats.h) and, while one
+// runs, records each tensor's phases on the timeline (timeline.h).
 #include "runtime/runtime.h"
 
 #include <algorithm>
 #include <atomic>
-#include <cerrno>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <cstdio>
-#include <cstdlib>
 #include <deque>
 #include <functional>
 #include <map>
@@ -23,12 +20,14 @@
 #include "runtime/fusion.h"
 #include "runtime/message.h"
 #include "runtime/negotiation.h"
-#include "runtime/operations.h"
+#include "runtime/response_executor.h"
 #include "runtime/response_cache.h"
+#include "runtime/settings.h"
 #include "runtime/stats.h"
 #include "runtime/tensor_queue.h"
 #include "runtime/timeline.h"
 #include "transport/controller.h"
+#include "transport/registry.h"
 
 namespace perseus {
 namespace {
@@ -37,79 +36,19 @@ namespace {
 // coordinator's stall checks never wait on a rank that has nothing to submit.
 constexpr auto kHeartbeat = std::chrono::seconds(1);
 
-// PERSEUS_* settings, read once by Init (defaults are in the README's table).
-struct Config {
-  int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
-  double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
-  double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
-  // PERSEUS_STALL_SHUTDOWN_SECS: also bounds every wait on a rank that stopped answering (MPI).
-  // Ranks keep answering rounds from their background thread while their Python code is busy,
-  // and the Estimator's chief gate answers through rank 0's evaluations and checkpoints, so
-  // only a frozen process, a dead host or a cut link stays silent this long. 5 minutes stays
-  // clear of long but healthy pauses (a rank paged out, a slow checkpoint under a hook of
-  // one's own) and does not let a dead host hold a whole cluster for hours.
-  double stall_shutdown_secs = 300.0;
-  double cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY
-  std::string timeline_path;                            // PERSEUS_TIMELINE
-  Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
-};
-
-constexpr const char* kHierarchicalNames[] = {"auto", "0", "1"};  // by Hierarchical's value
-
-Status ReadHierarchical(Hierarchical* value) {
-  const char* text = std::getenv("PERSEUS_HIERARCHICAL_ALLREDUCE");
-  if (text == nullptr || *text == '\0') return Status::OK();
-  for (const Hierarchical choice :
-       {Hierarchical::kAuto, Hierarchical::kNever, Hierarchical::kAlways}) {
-    if (std::string(text) == kHierarchicalNames[static_cast<int>(choice)]) {
-      *value = choice;
-      return Status::OK();
-    }
-  }
-  return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE=\"") + text +
-                       "\" is not one of auto, 0, 1");
-}
-
-Status ReadNumber(const char* name, double* value) {
-  const char* text = std::getenv(name);
-  if (text == nullptr || *text == '\0') return Status::OK();
-  char* end = nullptr;
-  errno = 0;
-  const double parsed = std::strtod(text, &end);
-  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(parsed) || parsed < 0) {
-    return Status::Error(std::string("perseus_legacy: ") + name + "=\"" + text +
-                         "\" is not a non-negative number");
-  }
-  *value = parsed;
-  return Status::OK();
-}
-
-Status ReadConfig(Config* config) {
-  double fusion = static_cast<double>(config->fusion_threshold_bytes);
-  Status s = ReadNumber("PERSEUS_FUSION_THRESHOLD", &fusion);
-  if (s.ok()) s = ReadNumber("PERSEUS_CYCLE_TIME", &config->cycle_time_ms);
-  if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &config->stall_warning_secs);
-  if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &config->stall_shutdown_secs);
-  if (s.ok()) s = ReadNumber("PERSEUS_CACHE_CAPACITY", &config->cache_capacity);
-  if (s.ok()) s = ReadHierarchical(&config->hierarchical);
-  config->fusion_threshold_bytes = static_cast<int64_t>(fusion);
-  const char* timeline = std::getenv("PERSEUS_TIMELINE");
-  config->timeline_path = timeline ? timeline : "";
-  return s;
-}
-
 // Settings that change which transfers a collective makes must be the same on every rank, or
 // the ranks would wait on transfers the others never make: an error on every rank otherwise.
-Status AgreeOnSettings(Controller* controller, const Config& config) {
+Status AgreeOnSettings(Controller* controller, const Settings& settings) {
   const int size = controller->size();
-  const uint8_t mine = static_cast<uint8_t>(config.hierarchical);
+  const uint8_t mine = static_cast<uint8_t>(settings.hierarchical);
   std::vector<uint8_t> all(static_cast<size_t>(size));
   Status s = controller->Allgatherv(&mine, all.data(), std::vector<int64_t>(size, 1), 1);
   if (!s.ok()) return s;
   std::string differ;
   for (int r = 0; r < size; ++r) {
     if (all[r] == all[0]) continue;
-    differ += ", rank " + std::to_string(r) + " has " + kHierarchicalNames[all[r] % 3];
+    differ += ", rank " + std::to_string(r) + " has " +
+              HierarchicalName(static_cast<Hierarchical>(all[r]));
   }
   if (differ.empty()) return Status::OK();
   // Every rank fails alike; none leaves before all have their data, or its closing connections
@@ -117,7 +56,7 @@ Status AgreeOnSettings(Controller* controller, const Config& config) {
   static_cast<void>(controller->Barrier());
   return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE differs "
                                    "between ranks: rank 0 has ") +
-                       kHierarchicalNames[all[0] % 3] + differ +
+                       HierarchicalName(static_cast<Hierarchical>(all[0])) + differ +
                        " (unset is auto); give every rank the same value");
 }
 
@@ -133,7 +72,7 @@ class Runtime {
     }
   }
 
-  Status Init(intptr_t comm_handle, const TcpOptions* tcp = nullptr);
+  Status Init(const std::string& transport, const TransportOptions& options);
   void Shutdown();
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
   Status Join(int* last_joined_rank);
@@ -149,7 +88,10 @@ class Runtime {
   int cross_rank() const { return cross_rank_.load(); }
   int cross_size() const { return cross_size_.load(); }
   bool threads_supported() const { return threads_supported_.load(); }
-  std::string controller_name() const { return tcp_ ? "tcp" : "mpi"; }
+  std::string controller_name() const {
+    const Transport* transport = transport_.load();
+    return transport ? transport->name : "";
+  }
   std::vector<std::pair<std::string, int64_t>> stats() const;
   Status StartTimeline(const std::string& path);
   void StopTimeline() { timeline_.Stop(); }
@@ -164,7 +106,7 @@ class Runtime {
   bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
                   bool* full);
   bool CoordinatorRound(const RequestList& mine, bool* progressed);
-  // Runs one response of a round (Operations) and completes this rank's requests in it.
+  // Runs one response of a round (ResponseExecutor) and completes this rank's requests in it.
   bool Execute(const Response& response, bool from_cache);
   bool CommunicationFailed(const Status& s, const char* during);
   void Complete(const std::vector<std::string>& names, const Status& status);
@@ -185,10 +127,10 @@ class Runtime {
   std::atomic<int> rank_{-1}, size_{-1}, local_rank_{-1}, local_size_{-1};
   std::atomic<int> cross_rank_{-1}, cross_size_{-1};
   std::atomic<bool> threads_supported_{false};
-  std::atomic<bool> tcp_{false};
+  std::atomic<const Transport*> transport_{nullptr};  // of the current or last Init
   // Set when a collective of this rank ran while another rank had joined; TakePeerJoined resets.
   std::atomic<bool> peer_joined_{false};
-  Config config_;
+  Settings settings_;  // of the current Init
   std::unique_ptr<Controller> controller_;
   std::thread thread_;
   RuntimeStats stats_;  // since the process started; any thread reads them
@@ -235,23 +177,32 @@ Runtime& State() {
   return state;
 }
 
-Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
+Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   std::lock_guard<std::mutex> init_lock(init_mu_);
   if (initialized_) return Status::OK();
-  Config config;
-  Status s = ReadConfig(&config);
+  const Transport* transport = FindTransport(name);
+  if (transport == nullptr) {
+    std::string known;
+    for (const Transport& t : RegisteredTransports()) known += (known.empty() ? "" : ", ") + t.name;
+    return Status::Error("perseus_legacy: no transport is called \"" + name +
+                         "\"; this build registers: " + known);
+  }
+  if (transport->create == nullptr) {
+    return Status::Error("perseus_legacy: this build has no " + transport->label + " transport");
+  }
+  Settings settings;
+  Status s = ReadSettings(&settings);
   if (!s.ok()) return s;
   std::unique_ptr<Controller> controller;
-  s = tcp ? CreateTcpController(*tcp, &controller)
-          : CreateMpiController(comm_handle, &controller);
-  if (s.ok()) s = AgreeOnSettings(controller.get(), config);
+  s = transport->create(options, &controller);
+  if (s.ok()) s = AgreeOnSettings(controller.get(), settings);
   if (!s.ok()) return s;
 
-  config_ = config;
+  settings_ = settings;
   peer_joined_ = false;
   controller_ = std::move(controller);
-  controller_->SetWaitLimits(config_.stall_warning_secs, config_.stall_shutdown_secs);
-  tcp_ = tcp != nullptr;
+  controller_->SetWaitLimits(settings_.stall_warning_secs, settings_.stall_shutdown_secs);
+  transport_ = transport;
   rank_ = controller_->rank();
   size_ = controller_->size();
   local_rank_ = controller_->local_rank();
@@ -263,25 +214,25 @@ Status Runtime::Init(intptr_t comm_handle, const TcpOptions* tcp) {
   if (rank_ == 0) {
     CoordinatorOptions options;
     options.size = size_;
-    options.fusion_threshold_bytes = config_.fusion_threshold_bytes;
-    options.stall_warning_secs = config_.stall_warning_secs;
-    options.stall_shutdown_secs = config_.stall_shutdown_secs;
+    options.fusion_threshold_bytes = settings_.fusion_threshold_bytes;
+    options.stall_warning_secs = settings_.stall_warning_secs;
+    options.stall_shutdown_secs = settings_.stall_shutdown_secs;
     coordinator_ = std::make_unique<Coordinator>(options);
   }
   announced_.clear();
-  cache_ = CacheRounds(static_cast<size_t>(config_.cache_capacity));
+  cache_ = CacheRounds(settings_.cache_capacity);
   joined_ = false;
-  timeline_.SetIdentity(rank_, tcp_ ? "TCP" : "MPI");
-  if (rank_ == 0 && config_.hierarchical == Hierarchical::kAlways &&
+  timeline_.SetIdentity(rank_, transport->label);
+  if (rank_ == 0 && settings_.hierarchical == Hierarchical::kAlways &&
       (controller_->local() == nullptr || controller_->cross() == nullptr)) {
     Log("PERSEUS_HIERARCHICAL_ALLREDUCE=1, but every allreduce runs flat: the hierarchical one "
         "needs several hosts with the same number of ranks, more than one, on each (here " +
         std::to_string(cross_size_) + " host(s), " + std::to_string(local_size_) +
         " rank(s) on rank 0's)");
   }
-  if (!config_.timeline_path.empty()) {
+  if (!settings_.timeline_path.empty()) {
     // Not fatal: the job runs as it would without PERSEUS_TIMELINE, and says why there is none.
-    s = timeline_.Start(Timeline::RankedPath(config_.timeline_path, rank_));
+    s = timeline_.Start(Timeline::RankedPath(settings_.timeline_path, rank_));
     if (!s.ok()) Log("WARNING: PERSEUS_TIMELINE: " + s.message());
   }
   {
@@ -489,7 +440,7 @@ void Runtime::FinishJoin(const Status& status, int last_joined_rank) {
 }
 
 void Runtime::Loop() {
-  const auto cycle = std::chrono::duration<double, std::milli>(config_.cycle_time_ms);
+  const auto cycle = std::chrono::duration<double, std::milli>(settings_.cycle_time_ms);
   bool last_round_progressed = false;
   while (true) {
     RequestList mine;
@@ -571,7 +522,7 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
     return false;
   }
   CacheRounds::Outcome outcome =
-      cache_.Settle(bits, &announced_, config_.fusion_threshold_bytes, mine);
+      cache_.Settle(bits, &announced_, settings_.fusion_threshold_bytes, mine);
   *full = outcome.full;
   *progressed = outcome.progressed;
   RuntimeStats::Add(stats_.cache_hits, outcome.hits);
@@ -675,7 +626,7 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
   Status op;
   const Status comm =
-      Operations(controller, config_.hierarchical, &fusion_, &stats_, &timeline_)
+      ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
           .Run(response, entries, &op);
   if (!comm.ok()) {
     const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
@@ -771,8 +722,9 @@ void Runtime::Log(const std::string& text) const {
 
 }  // namespace
 
-Status Init(intptr_t mpi_comm_handle) { return State().Init(mpi_comm_handle); }
-Status InitTcp(const TcpOptions& options) { return State().Init(0, &options); }
+Status Init(const std::string& transport, const TransportOptions& options) {
+  return State().Init(transport, options);
+}
 void Shutdown() { State().Shutdown(); }
 bool IsInitialized() { return State().initialized(); }
 int Rank() { return State().rank(); }
@@ -782,8 +734,13 @@ int LocalSize() { return State().local_size(); }
 int CrossRank() { return State().cross_rank(); }
 int CrossSize() { return State().cross_size(); }
 bool MpiThreadsSupported() { return State().threads_supported(); }
-bool MpiBuilt() { return true; }
-bool TcpBuilt() { return true; }
+std::vector<std::pair<std::string, bool>> Transports() {
+  std::vector<std::pair<std::string, bool>> all;
+  for (const Transport& transport : RegisteredTransports()) {
+    all.emplace_back(transport.name, transport.built);
+  }
+  return all;
+}
 std::string ControllerName() { return State().controller_name(); }
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;

@@ -8,32 +8,20 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
+#include "transport/options.h"
 
 namespace perseus {
 
-// Starts the background thread and the controller. `mpi_comm_handle` is an MPI_Comm (as an
-// integer, e.g. from mpi4py's MPI._handleof(comm)) or 0 for MPI_COMM_WORLD. Calling Init again
-// while initialized is a no-op returning OK. Blocks until every rank has initialized.
-// Reads the PERSEUS_* settings (FUSION_THRESHOLD bytes, default 64 MiB; CYCLE_TIME ms, 1.0;
-// STALL_WARNING_SECS, 60; STALL_SHUTDOWN_SECS, 0 = never; CACHE_CAPACITY, 1024, 0 = no response
-// cache; TIMELINE, a path, unset = no timeline) on each call that initializes.
-// Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
+// Starts the controller of the registered transport `transport` ("mpi", "tcp": see
+// transport/registry.h) with `options`, and the background thread. Calling Init again while
+// initialized is a no-op returning OK. Blocks until every rank has initialized. An error naming
+// the registered transports when `transport` is none of them, and saying so when this build
+// left it out. Reads the PERSEUS_* settings (docs/settings.md) on each call that initializes.
+// MPI: Init after Shutdown works when MPI was initialized by someone else (e.g. mpi4py imported
 // first); when Init started MPI itself, Shutdown finalized it and a second Init returns an error.
-Status Init(intptr_t mpi_comm_handle);
-
-// Where the TCP controller's ranks meet (see transport/tcp_controller.h); the launcher side
-// computes it.
-struct TcpOptions {
-  int rank = 0;
-  std::vector<std::string> addresses;  // "host:port" of every rank, in rank order
-  int local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
-  std::string secret;                  // the job secret every rank must prove it knows
-  double start_timeout_secs = 120.0;   // how long ranks wait for each other at start-up
-};
-
-// Init over TCP instead of MPI: MPI is never initialized. Same rules as Init otherwise.
-Status InitTcp(const TcpOptions& options);
+// TCP: MPI is never initialized.
+Status Init(const std::string& transport, const TransportOptions& options);
 
 // Stops the background thread; pending and later requests fail with a shutdown error on every
 // rank. Safe to call more than once, and when never initialized.
@@ -50,9 +38,10 @@ int CrossRank();
 int CrossSize();
 
 bool MpiThreadsSupported();
-bool MpiBuilt();  // always true today
-bool TcpBuilt();  // always true today
-std::string ControllerName();  // "mpi" or "tcp" while initialized
+// Every registered transport's name and whether this build has it, in name order.
+std::vector<std::pair<std::string, bool>> Transports();
+// The transport of the current (or, after Shutdown, the last) Init; "" before the first.
+std::string ControllerName();
 
 // Hands a request to the background thread; never blocks on communication.
 // Returns an error (and does not call done) if the runtime is not initialized or has shut down,
@@ -61,9 +50,9 @@ Status Enqueue(CollectiveRequest request);
 
 // Tells the other ranks that this rank has no more data, then blocks until every rank has called
 // Join. Meanwhile this rank takes part in the other ranks' collectives with a neutral
-// contribution (see the README). On success every rank gets the same `last_joined_rank`: the
-// rank whose Join arrived last. Fails, naming the rank, when a rank shuts down or the
-// transport fails, and when a Join is already in progress on this rank.
+// contribution (docs/design.md, "join()"). On success every rank gets the same
+// `last_joined_rank`: the rank whose Join arrived last. Fails, naming the rank, when a rank shuts
+// down or the transport fails, and when a Join is already in progress on this rank.
 Status Join(int* last_joined_rank);
 
 // This process's counters since it started (see stats.h), by name: "tensors_submitted.allreduce",

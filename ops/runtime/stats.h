@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 
 namespace perseus {
 
@@ -39,7 +39,7 @@ class RuntimeStats {
   std::atomic<int64_t> coordinator_rounds{0};
   std::atomic<int64_t> cache_rounds{0};
   std::atomic<int64_t> stall_warnings{0};       // warnings rank 0 logged about stalled tensors
-  // allreduce collectives that ran hierarchically (operations.h); the others ran flat
+  // allreduce collectives that ran hierarchically (response_executor.h); the others ran flat
   std::atomic<int64_t> hierarchical_allreduces{0};
 
   static void Add(std::atomic<int64_t>& counter, int64_t n) {

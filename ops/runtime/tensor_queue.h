@@ -9,7 +9,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/message.h"
 
 namespace perseus {

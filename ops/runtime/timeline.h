@@ -24,7 +24,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 
 namespace perseus {
 

@@ -1,6 +1,7 @@
 // The interface every transport implements, and all the runtime knows of one: a control plane
 // (bytes to and from the coordinator, rank 0) for negotiation and a data plane (the collectives
-// themselves). MpiController (mpi_controller.h) and TcpController (tcp_controller.h) implement it.
+// themselves). MpiController (mpi_controller.h) and TcpController (tcp_controller.h) implement it;
+// each registers its factory in registry.h.
 #pragma once
 
 #include <cstdint>
@@ -8,8 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/common.h"
-#include "runtime/runtime.h"
+#include "common/common.h"
 
 namespace perseus {
 
@@ -54,7 +54,8 @@ class Controller {
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
   // The two halves of a ring Allreduce, for algorithms built of them (the hierarchical
-  // allreduce, operations.cc), over `count` elements split into size() segments (SegmentStart).
+  // allreduce, response_executor.cc), over `count` elements split into size() segments
+  // (SegmentStart).
   // ReduceScatter: segment rank() of `out` receives that segment's reduction over every rank's
   // `in` (in == out means in place); the rest of `out` is scratch afterwards.
   virtual Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
@@ -77,14 +78,5 @@ class Controller {
   virtual Status CreateProcessSet(const std::vector<int>& ranks,
                                   std::unique_ptr<Controller>* out) = 0;
 };
-
-// The transports. Each connects this rank to every other one and waits for all of them
-// (collective), then hands over the ready controller.
-// MPI (mpi_controller.cc): initializes MPI when nobody has (and then finalizes it on
-// destruction) and duplicates the communicator `comm_handle` (0: MPI_COMM_WORLD).
-Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
-// TCP (tcp_rendezvous.cc): listens on options.addresses[options.rank] and meets every other rank
-// within options.start_timeout_secs.
-Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
 
 }  // namespace perseus

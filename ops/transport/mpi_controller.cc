@@ -12,7 +12,8 @@
 #include <thread>
 #include <type_traits>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
+#include "transport/registry.h"
 
 namespace perseus {
 namespace {
@@ -114,12 +115,16 @@ MpiController::MpiController() {
   bfloat16_ops_.fill(MPI_OP_NULL);
 }
 
-Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out) {
+// Initializes MPI when nobody has (and then finalizes it on destruction) and duplicates the
+// communicator options.mpi_comm_handle.
+Status CreateMpiController(const TransportOptions& options, std::unique_ptr<Controller>* out) {
   auto controller = std::make_unique<MpiController>();
-  Status s = controller->Setup(comm_handle);
+  Status s = controller->Setup(options.mpi_comm_handle);
   if (s.ok()) *out = std::move(controller);
   return s;
 }
+
+const TransportRegistration kMpi({"mpi", "MPI", /*built=*/true, &CreateMpiController});
 
 Status MpiController::Setup(intptr_t comm_handle) {
   int initialized = 0, finalized = 0;

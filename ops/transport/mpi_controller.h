@@ -18,12 +18,13 @@
 #include <vector>
 
 #include "transport/controller.h"
+#include "transport/options.h"
 
 namespace perseus {
 
 class MpiController : public Controller {
  public:
-  MpiController();  // unconnected: CreateMpiController (controller.h) sets it up
+  MpiController();  // unconnected: CreateMpiController (its registration) sets it up
   ~MpiController() override;
 
   MpiController(const MpiController&) = delete;
@@ -68,7 +69,8 @@ class MpiController : public Controller {
   Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
 
  private:
-  friend Status CreateMpiController(intptr_t comm_handle, std::unique_ptr<Controller>* out);
+  friend Status CreateMpiController(const TransportOptions& options,
+                                    std::unique_ptr<Controller>* out);
   Status Setup(intptr_t comm_handle);
   // A controller with only a data plane, over `comm` (which it takes over): a process set's,
   // or a part of the hierarchical allreduce. It borrows this controller's types and ops.

@@ -1,14 +1,14 @@
 // The MPI transport's ring of point-to-point messages (reduce-scatter, then allgather), each rank
 // sending to the next and receiving from the previous: the allreduce of large tensors, and its
-// two halves on their own for the hierarchical allreduce (operations.cc). Every link carries
-// 2(n-1)/n of the tensor, so a ring reaches the link rate across hosts, where Open MPI's
+// two halves on their own for the hierarchical allreduce (response_executor.cc). Every link
+// carries 2(n-1)/n of the tensor, so a ring reaches the link rate across hosts, where Open MPI's
 // nonblocking allreduce picks a binomial tree (the whole tensor each way, half the rate) for 2
 // or 3 ranks and for in-place buffers. Each segment is reduced on one rank and then copied to
 // all, so every rank ends with the same bits. Waits are the controller's bounded ones.
 #include <algorithm>
 #include <cstring>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 #include "transport/mpi_controller.h"
 
 namespace perseus {

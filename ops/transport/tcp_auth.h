@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/common.h"
+#include "common/common.h"
 
 namespace perseus {
 

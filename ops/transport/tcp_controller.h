@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/runtime.h"
+#include "transport/options.h"
 #include "transport/controller.h"
 #include "transport/tcp_socket.h"
 
@@ -33,7 +33,7 @@ namespace perseus {
 
 class TcpController : public Controller {
  public:
-  // Unconnected: CreateTcpController (controller.h) meets the other ranks.
+  // Unconnected: CreateTcpController (its registration) meets the other ranks.
   explicit TcpController(const TcpOptions& options);
   // Closes every connection gracefully (see the definition).
   ~TcpController() override;
@@ -117,7 +117,8 @@ class TcpController : public Controller {
   enum class Pumped { kOk, kAbort, kClosed };
 
   Group Everyone() const;
-  friend Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out);
+  friend Status CreateTcpController(const TransportOptions& options,
+                                    std::unique_ptr<Controller>* out);
   Status Rendezvous();
   struct Pending;
   void AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,

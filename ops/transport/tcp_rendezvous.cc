@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "transport/tcp_auth.h"
+#include "transport/registry.h"
 #include "transport/tcp_controller.h"
 
 namespace perseus {
@@ -187,7 +188,11 @@ void Tune(int fd) {
 
 }  // namespace
 
-Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller>* out) {
+// Listens on options.tcp.addresses[options.tcp.rank] and meets every other rank within
+// options.tcp.start_timeout_secs.
+Status CreateTcpController(const TransportOptions& transport_options,
+                           std::unique_ptr<Controller>* out) {
+  const TcpOptions& options = transport_options.tcp;
   const int size = static_cast<int>(options.addresses.size());
   if (size < 1 || options.rank < 0 || options.rank >= size) {
     return Status::Error("perseus_legacy: TCP rank " + std::to_string(options.rank) +
@@ -203,6 +208,8 @@ Status CreateTcpController(const TcpOptions& options, std::unique_ptr<Controller
   if (s.ok()) *out = std::move(controller);
   return s;
 }
+
+const TransportRegistration kTcp({"tcp", "TCP", /*built=*/true, &CreateTcpController});
 
 Status TcpController::Rendezvous() {
   const int me = options_.rank;

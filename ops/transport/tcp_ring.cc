@@ -10,7 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 #include "transport/tcp_controller.h"
 
 namespace perseus {

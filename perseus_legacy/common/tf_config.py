@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import perseus_env
 from perseus_env import ADDRESSES_VARIABLE, MPI_LAUNCHER_VARIABLES, RANK_VARIABLE
+from perseus_legacy.common import native
 
 DEFAULT_START_TIMEOUT = 120.0
 # Task types that become ranks, in rank order; `master` is TF1's name for the chief.
@@ -223,7 +224,8 @@ def current_cluster() -> Cluster | None:
 def controller_from_env(env: Mapping[str, str] | None = None) -> str:
     """"mpi" or "tcp": PERSEUS_CONTROLLER if set; MPI under an MPI launcher; TCP with a cluster."""
     env = _environ() if env is None else env
-    choice = perseus_env.read_choice("PERSEUS_CONTROLLER", ("mpi", "tcp"), "", env)
+    transports = tuple(t["name"] for t in native.core().transports())  # as registered natively
+    choice = perseus_env.read_choice("PERSEUS_CONTROLLER", transports, "", env)
     if choice:
         return choice
     if any(name in env for name in MPI_LAUNCHER_VARIABLES):

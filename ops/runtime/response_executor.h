@@ -6,27 +6,20 @@
 
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/fusion.h"
 #include "runtime/message.h"
+#include "runtime/settings.h"
 #include "runtime/stats.h"
 #include "runtime/timeline.h"
 #include "transport/controller.h"
 
 namespace perseus {
 
-// PERSEUS_HIERARCHICAL_ALLREDUCE: whether the global set's allreduces run hierarchically
-// wherever the transport offers it (Controller::local(), cross()): auto and 1 do, 0 never; 1
-// also makes rank 0 say at init when the layout does not allow it. At every size: from 64 KiB
-// it moved the same bytes in less time across emulated hosts, and below it the flat and the
-// hierarchical allreduce cost a few steps of latency alike (3 local and 2 cross-host ones
-// against 2 (N - 1) of a ring, or Open MPI's log2 N).
-enum class Hierarchical : uint8_t { kAuto = 0, kNever = 1, kAlways = 2 };
-
-class Operations {
+class ResponseExecutor {
  public:
-  Operations(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
-             RuntimeStats* stats, Timeline* timeline)
+  ResponseExecutor(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
+                   RuntimeStats* stats, Timeline* timeline)
       : controller_(*controller),
         hierarchical_(hierarchical),
         fusion_(*fusion),

@@ -1,12 +1,13 @@
-// Operations: each collective of a negotiated response, run on this rank (see operations.h).
-#include "runtime/operations.h"
+// ResponseExecutor: each collective of a negotiated response, run on this rank (see
+// response_executor.h).
+#include "runtime/response_executor.h"
 
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <string>
 
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 
 namespace perseus {
 namespace {
@@ -58,8 +59,8 @@ int64_t NowIf(bool timed) { return timed ? Timeline::NowMicros() : 0; }
 
 }  // namespace
 
-Status Operations::Run(const Response& response, const std::vector<CollectiveRequest*>& entries,
-                       Status* op) {
+Status ResponseExecutor::Run(const Response& response,
+                             const std::vector<CollectiveRequest*>& entries, Status* op) {
   CollectiveRequest* entry = entries.empty() ? nullptr : entries.front();
   switch (response.type) {
     case ResponseType::kAllreduce: return Allreduce(response, entries);
@@ -71,8 +72,8 @@ Status Operations::Run(const Response& response, const std::vector<CollectiveReq
   }
 }
 
-Status Operations::Allreduce(const Response& response,
-                             const std::vector<CollectiveRequest*>& entries) {
+Status ResponseExecutor::Allreduce(const Response& response,
+                                   const std::vector<CollectiveRequest*>& entries) {
   const DataType dtype = response.dtype;
   const size_t item = DataTypeSize(dtype);
   // Average is a Sum followed by a division by the ranks that contributed data: folded into the
@@ -137,11 +138,11 @@ Status Operations::Allreduce(const Response& response,
   return Status::OK();
 }
 
-Status Operations::FusedAllreduce(const Response& response,
-                                  const std::vector<CollectiveRequest*>& entries,
-                                  const std::vector<size_t>& group, int64_t total,
-                                  double prescale, int64_t divisor, double postscale,
-                                  int64_t id) {
+Status ResponseExecutor::FusedAllreduce(const Response& response,
+                                        const std::vector<CollectiveRequest*>& entries,
+                                        const std::vector<size_t>& group, int64_t total,
+                                        double prescale, int64_t divisor, double postscale,
+                                        int64_t id) {
   const bool timed = timeline_.enabled();
   const int64_t copy_in = NowIf(timed);
   const DataType dtype = response.dtype;
@@ -189,8 +190,8 @@ Status Operations::FusedAllreduce(const Response& response,
   return Status::OK();
 }
 
-Status Operations::Transport(const void* in, void* out, int64_t count, DataType dtype,
-                             ReduceOp op, const char** how) {
+Status ResponseExecutor::Transport(const void* in, void* out, int64_t count, DataType dtype,
+                                   ReduceOp op, const char** how) {
   Controller* local = controller_.local();
   Controller* cross = controller_.cross();
   // Every rank decides alike: the layout and the setting are the same everywhere (the runtime
@@ -204,9 +205,10 @@ Status Operations::Transport(const void* in, void* out, int64_t count, DataType 
   return controller_.Allreduce(in, out, count, dtype, op);
 }
 
-void Operations::Record(const std::vector<CollectiveRequest*>& entries,
-                        const std::vector<size_t>& group, const char* phase, int64_t start_us,
-                        int64_t end_us, const std::string& args, bool transport) {
+void ResponseExecutor::Record(const std::vector<CollectiveRequest*>& entries,
+                              const std::vector<size_t>& group, const char* phase,
+                              int64_t start_us, int64_t end_us, const std::string& args,
+                              bool transport) {
   for (size_t i : group) {
     timeline_.Record(entries[i]->name, phase, start_us, end_us, args, transport);
   }
@@ -214,7 +216,7 @@ void Operations::Record(const std::vector<CollectiveRequest*>& entries,
 
 // Where to receive when the framework could not allocate an output: this rank must still take
 // part in the collective, or every other rank would wait for it forever.
-void* Operations::Scratch(size_t bytes, Status* op, Status* comm) {
+void* ResponseExecutor::Scratch(size_t bytes, Status* op, Status* comm) {
   void* scratch = fusion_.Get(bytes);
   if (scratch == nullptr) {
     *comm = Status::Error("out of memory for " + std::to_string(bytes) + " bytes after: " +
@@ -223,7 +225,7 @@ void* Operations::Scratch(size_t bytes, Status* op, Status* comm) {
   return scratch;
 }
 
-Status Operations::Allgather(const Response& response, CollectiveRequest* e, Status* op) {
+Status ResponseExecutor::Allgather(const Response& response, CollectiveRequest* e, Status* op) {
   std::vector<int64_t> out_shape = e ? e->shape : response.shape;
   out_shape[0] = 0;
   for (int64_t rows : response.sizes) out_shape[0] += rows;
@@ -248,7 +250,7 @@ Status Operations::Allgather(const Response& response, CollectiveRequest* e, Sta
   return comm;
 }
 
-Status Operations::Broadcast(const Response& response, CollectiveRequest* e) {
+Status ResponseExecutor::Broadcast(const Response& response, CollectiveRequest* e) {
   const int64_t bytes =
       NumElements(e ? e->shape : response.shape) * DataTypeSize(response.dtype);
   if (bytes == 0) return Status::OK();
@@ -272,7 +274,7 @@ Status Operations::Broadcast(const Response& response, CollectiveRequest* e) {
   return s;
 }
 
-Status Operations::Alltoall(const Response& response, CollectiveRequest& e, Status* op) {
+Status ResponseExecutor::Alltoall(const Response& response, CollectiveRequest& e, Status* op) {
   const int size = controller_.size();
   const int me = controller_.rank();
   std::vector<int64_t> send(size), recv(size);

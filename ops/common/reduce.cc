@@ -1,5 +1,5 @@
 // The reduction and scaling loops of reduce.h, and the 16-bit float conversions.
-#include "runtime/reduce.h"
+#include "common/reduce.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,5 +1,5 @@
 // Names and sizes of the enums in common.h, and the text helpers of error messages.
-#include "runtime/common.h"
+#include "common/common.h"
 
 #include <sstream>
 

@@ -7,7 +7,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "runtime/common.h"
+#include "common/common.h"
 
 namespace perseus {
 

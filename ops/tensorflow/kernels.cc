@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/common.h"
+#include "common/common.h"
 #include "runtime/runtime.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -40,9 +40,9 @@ using tf::shape_inference::ShapeHandle;
 
 // dtype lists of the op definitions. One kernel registration per op (no TypeConstraint) serves
 // every dtype the op definition allows, since the kernels only move bytes and pass the dtype on.
-#define PERSEUS_REDUCIBLE_TYPES \
+#define COLLECTIVE_REDUCIBLE_TYPES \
   "half, bfloat16, float, double, int32, int64, uint8, int8, int16, uint16"
-#define PERSEUS_ALL_TYPES PERSEUS_REDUCIBLE_TYPES ", bool"
+#define COLLECTIVE_ALL_TYPES COLLECTIVE_REDUCIBLE_TYPES ", bool"
 
 // The single TF -> runtime dtype mapping.
 tf::Status ToPerseusDataType(tf::DataType tf_dtype, DataType* out) {
@@ -474,7 +474,7 @@ tf::Status UnknownFirstDim(InferenceContext* c) {
 // perseus_legacy/ops.py exempts them from tf.function's automatic program-order chaining, as TF
 // does for its own collectives, so the collectives of one step can still be fused.
 REGISTER_OP("PerseusAllreduce")
-    .Attr("T: {" PERSEUS_REDUCIBLE_TYPES "}")
+    .Attr("T: {" COLLECTIVE_REDUCIBLE_TYPES "}")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
@@ -487,7 +487,7 @@ REGISTER_OP("PerseusAllreduce")
     .Doc("Reduces `tensor` across all ranks (reduce_op: 0=Average 1=Sum 2=Min 3=Max 4=Product).");
 
 REGISTER_OP("PerseusGroupedAllreduce")
-    .Attr("T: list({" PERSEUS_REDUCIBLE_TYPES "})")
+    .Attr("T: list({" COLLECTIVE_REDUCIBLE_TYPES "})")
     .Attr("reduce_op: int")
     .Attr("prescale_factor: float = 1.0")
     .Attr("postscale_factor: float = 1.0")
@@ -503,7 +503,7 @@ REGISTER_OP("PerseusGroupedAllreduce")
     .Doc("Reduces every tensor of `tensors` like PerseusAllreduce, submitted together.");
 
 REGISTER_OP("PerseusAllgather")
-    .Attr("T: {" PERSEUS_ALL_TYPES "}")
+    .Attr("T: {" COLLECTIVE_ALL_TYPES "}")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
     .Input("tensor: T")
@@ -513,7 +513,7 @@ REGISTER_OP("PerseusAllgather")
     .Doc("Concatenates every rank's `tensor` along dim 0, in rank order; dim 0 may differ.");
 
 REGISTER_OP("PerseusBroadcast")
-    .Attr("T: {" PERSEUS_ALL_TYPES "}")
+    .Attr("T: {" COLLECTIVE_ALL_TYPES "}")
     .Attr("root_rank: int")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
@@ -524,7 +524,7 @@ REGISTER_OP("PerseusBroadcast")
     .Doc("Returns `root_rank`'s `tensor` on every rank.");
 
 REGISTER_OP("PerseusAlltoall")
-    .Attr("T: {" PERSEUS_ALL_TYPES "}")
+    .Attr("T: {" COLLECTIVE_ALL_TYPES "}")
     .Attr("Tsplits: {int32, int64} = DT_INT32")
     .Attr("tensor_name: string = ''")
     .Attr("process_set_id: int = 0")
@@ -545,14 +545,14 @@ REGISTER_OP("PerseusAlltoall")
 
 // A GPU build would register the same classes for DEVICE_GPU (alltoall's `splits` and
 // `received_splits` in HostMemory) and pass the device to the runtime with the request.
-#define PERSEUS_REGISTER_KERNEL(op, kernel, device) \
+#define REGISTER_COLLECTIVE_KERNEL(op, kernel, device) \
   REGISTER_KERNEL_BUILDER(Name(op).Device(device), kernel)
 
-PERSEUS_REGISTER_KERNEL("PerseusAllreduce", AllreduceOp, ::tensorflow::DEVICE_CPU);
-PERSEUS_REGISTER_KERNEL("PerseusGroupedAllreduce", GroupedAllreduceOp, ::tensorflow::DEVICE_CPU);
-PERSEUS_REGISTER_KERNEL("PerseusAllgather", AllgatherOp, ::tensorflow::DEVICE_CPU);
-PERSEUS_REGISTER_KERNEL("PerseusBroadcast", BroadcastOp, ::tensorflow::DEVICE_CPU);
-PERSEUS_REGISTER_KERNEL("PerseusAlltoall", AlltoallOp, ::tensorflow::DEVICE_CPU);
+REGISTER_COLLECTIVE_KERNEL("PerseusAllreduce", AllreduceOp, ::tensorflow::DEVICE_CPU);
+REGISTER_COLLECTIVE_KERNEL("PerseusGroupedAllreduce", GroupedAllreduceOp, ::tensorflow::DEVICE_CPU);
+REGISTER_COLLECTIVE_KERNEL("PerseusAllgather", AllgatherOp, ::tensorflow::DEVICE_CPU);
+REGISTER_COLLECTIVE_KERNEL("PerseusBroadcast", BroadcastOp, ::tensorflow::DEVICE_CPU);
+REGISTER_COLLECTIVE_KERNEL("PerseusAlltoall", AlltoallOp, ::tensorflow::DEVICE_CPU);
 
 }  // namespace tensorflow_ops
 }  // namespace perseus

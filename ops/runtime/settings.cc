@@ -1,0 +1,85 @@
+// ReadSettings (settings.h): the only getenv of a PERSEUS_* variable in the native code.
+#include "runtime/settings.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+
+namespace perseus {
+namespace {
+
+constexpr const char* kHierarchicalNames[] = {"auto", "0", "1"};  // by Hierarchical's value
+
+// The variable's text, or null when it is unset or empty (then the default stands).
+const char* Text(const char* name) {
+  const char* text = std::getenv(name);
+  return text == nullptr || *text == '\0' ? nullptr : text;
+}
+
+Status Invalid(const char* name, const char* text, const std::string& expected) {
+  return Status::Error(std::string("perseus_legacy: ") + name + "=\"" + text + "\" is not " +
+                       expected);
+}
+
+Status ReadNumber(const char* name, double* value) {
+  const char* text = Text(name);
+  if (text == nullptr) return Status::OK();
+  char* end = nullptr;
+  errno = 0;
+  const double parsed = std::strtod(text, &end);
+  if (end == text || *end != '\0' || errno != 0 || !std::isfinite(parsed) || parsed < 0) {
+    return Invalid(name, text, "a non-negative number");
+  }
+  *value = parsed;
+  return Status::OK();
+}
+
+// A count (bytes, entries): a non-negative number, its fraction dropped, as before.
+template <typename Int>
+Status ReadCount(const char* name, Int* value) {
+  double number = static_cast<double>(*value);
+  Status s = ReadNumber(name, &number);
+  if (!s.ok()) return s;
+  if (number >= static_cast<double>(std::numeric_limits<Int>::max())) {
+    return Invalid(name, Text(name), "a count below " +
+                                         std::to_string(std::numeric_limits<Int>::max()));
+  }
+  *value = static_cast<Int>(number);
+  return Status::OK();
+}
+
+Status ReadHierarchical(const char* name, Hierarchical* value) {
+  const char* text = Text(name);
+  if (text == nullptr) return Status::OK();
+  for (const Hierarchical choice :
+       {Hierarchical::kAuto, Hierarchical::kNever, Hierarchical::kAlways}) {
+    if (std::string(text) == HierarchicalName(choice)) {
+      *value = choice;
+      return Status::OK();
+    }
+  }
+  return Invalid(name, text, "one of auto, 0, 1");
+}
+
+}  // namespace
+
+const char* HierarchicalName(Hierarchical value) {
+  const auto index = static_cast<size_t>(value);
+  return index < 3 ? kHierarchicalNames[index] : "?";
+}
+
+Status ReadSettings(Settings* settings) {
+  Status s = ReadCount("PERSEUS_FUSION_THRESHOLD", &settings->fusion_threshold_bytes);
+  if (s.ok()) s = ReadNumber("PERSEUS_CYCLE_TIME", &settings->cycle_time_ms);
+  if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &settings->stall_warning_secs);
+  if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &settings->stall_shutdown_secs);
+  if (s.ok()) s = ReadCount("PERSEUS_CACHE_CAPACITY", &settings->cache_capacity);
+  if (s.ok()) s = ReadHierarchical("PERSEUS_HIERARCHICAL_ALLREDUCE", &settings->hierarchical);
+  if (!s.ok()) return s;
+  const char* timeline = Text("PERSEUS_TIMELINE");
+  settings->timeline_path = timeline ? timeline : "";
+  return Status::OK();
+}
+
+}  // namespace perseus

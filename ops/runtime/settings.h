@@ -1,0 +1,45 @@
+// The PERSEUS_* environment variables of the native runtime, and the one place that reads them:
+// ReadSettings parses and validates them at Init, with errors naming the variable and its value.
+// Names and defaults are those of docs/settings.md's table; every name is spelled out here as a
+// literal, so that a search of ops/ for "PERSEUS_" finds each one.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/common.h"
+
+namespace perseus {
+
+// PERSEUS_HIERARCHICAL_ALLREDUCE: whether the global set's allreduces run hierarchically
+// wherever the transport offers it (Controller::local(), cross()): auto and 1 do, 0 never; 1
+// also makes rank 0 say at init when the layout does not allow it. At every size: from 64 KiB
+// it moved the same bytes in less time across emulated hosts, and below it the flat and the
+// hierarchical allreduce cost a few steps of latency alike (3 local and 2 cross-host ones
+// against 2 (N - 1) of a ring, or Open MPI's log2 N).
+enum class Hierarchical : uint8_t { kAuto = 0, kNever = 1, kAlways = 2 };
+
+// The value as the variable spells it: "auto", "0", "1" ("?" for anything else).
+const char* HierarchicalName(Hierarchical value);
+
+struct Settings {
+  int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
+  double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
+  double stall_warning_secs = 60.0;                     // PERSEUS_STALL_WARNING_SECS
+  // PERSEUS_STALL_SHUTDOWN_SECS: also bounds every wait on a rank that stopped answering (MPI).
+  // Ranks keep answering rounds from their background thread while their Python code is busy,
+  // and the Estimator's chief gate answers through rank 0's evaluations and checkpoints, so
+  // only a frozen process, a dead host or a cut link stays silent this long. 5 minutes stays
+  // clear of long but healthy pauses (a rank paged out, a slow checkpoint under a hook of
+  // one's own) and does not let a dead host hold a whole cluster for hours.
+  double stall_shutdown_secs = 300.0;
+  size_t cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY; 0: no cache
+  std::string timeline_path;                            // PERSEUS_TIMELINE; "": none
+  Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
+};
+
+// This process's settings: each variable that is set and not empty replaces its default. An
+// error naming the first variable that does not parse, and its value.
+Status ReadSettings(Settings* settings);
+
+}  // namespace perseus
