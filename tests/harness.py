@@ -408,6 +408,24 @@ def finish_reference(proc: subprocess.Popen, out: Path) -> dict:
     return load_values(out / "reference.npz")
 
 
+def assert_ranks_match_reference(ranks: list[dict], expected: dict) -> None:
+    """Every rank's final variables equal the single-process reference's and rank 0's exactly;
+    rank 0's checkpoint (`checkpoint/...` values) equals the reference's."""
+    compared = [k for k in expected if not k.startswith(("checkpoint/", "train_eval/"))]
+    assert compared, sorted(expected)
+    for rank, values in enumerate(ranks):
+        for name in compared:
+            np.testing.assert_allclose(values[name], expected[name], rtol=RTOL, atol=ATOL,
+                                       err_msg=f"rank {rank}: {name}")
+            np.testing.assert_array_equal(values[name], ranks[0][name],
+                                          err_msg=f"rank {rank} differs from rank 0: {name}")
+    checkpoint = [k for k in expected if k.startswith("checkpoint/")]
+    assert checkpoint, sorted(expected)
+    for name in checkpoint:
+        np.testing.assert_allclose(ranks[0][name], expected[name], rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+
+
 def load_values(path: Path) -> dict:
     with np.load(path) as values:
         return {k: values[k] for k in values.files}

@@ -23,6 +23,7 @@ from harness import (
     PERSEUSRUN,
     ROOT,
     RTOL,
+    assert_ranks_match_reference,
     end_processes,
     exits_within,
     finish_reference,
@@ -222,18 +223,8 @@ def test_estimator_with_run_config_on_2_hosts_trains_like_one_process_on_the_glo
                      timeout=ESTIMATOR_TIMEOUT)
     finally:
         expected = finish_reference(reference, reference_dir)
-    ranks = [load_values(tmp_path / f"rank{r}.npz") for r in range(2)]
-    compared = [k for k in expected if not k.startswith(("checkpoint/", "train_eval/"))]
-    assert compared, sorted(expected)
-    for rank, values in enumerate(ranks):
-        for name in compared:
-            np.testing.assert_allclose(values[name], expected[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=f"rank {rank}: {name}")
-            np.testing.assert_array_equal(values[name], ranks[0][name],
-                                          err_msg=f"rank {rank} differs from rank 0: {name}")
-    for name in (k for k in expected if k.startswith("checkpoint/")):
-        np.testing.assert_allclose(ranks[0][name], expected[name], rtol=RTOL, atol=ATOL,
-                                   err_msg=name)
+    assert_ranks_match_reference([load_values(tmp_path / f"rank{r}.npz") for r in range(2)],
+                                 expected)
 
 
 @needs_emulation

@@ -17,15 +17,13 @@ import subprocess
 import sys
 import threading
 
-import numpy as np
 import pytest
 from harness import (
-    ATOL,
     BIN,
     CHECKPOINT_WORKER,
     ESTIMATOR_TIMEOUT,
     ROOT,
-    RTOL,
+    assert_ranks_match_reference,
     assert_resumed,
     assert_whole_checkpoints,
     failure_summary,
@@ -309,25 +307,12 @@ def test_srun_without_mpi_estimator_run_config_and_train_and_evaluate_like_one_p
                           env={"PERSEUS_SECRET": SECRET}, timeout=ESTIMATOR_TIMEOUT)
     finally:
         expected = finish_reference(reference, reference_dir)
-    ranks = [load_values(out / f"rank{r}.npz") for r in range(4)]
-    compared = [k for k in expected if not k.startswith(("checkpoint/", "train_eval/"))]
-    assert compared, sorted(expected)
-    for rank, values in enumerate(ranks):
-        for name in compared:
-            np.testing.assert_allclose(values[name], expected[name], rtol=RTOL, atol=ATOL,
-                                       err_msg=f"rank {rank}: {name}")
-            np.testing.assert_array_equal(values[name], ranks[0][name],
-                                          err_msg=f"rank {rank} differs from rank 0: {name}")
-    checkpoint = [k for k in expected if k.startswith("checkpoint/")]
-    assert checkpoint, sorted(expected)
-    for name in checkpoint:
-        np.testing.assert_allclose(ranks[0][name], expected[name], rtol=RTOL, atol=ATOL,
-                                   err_msg=name)
+    assert_ranks_match_reference([load_values(out / f"rank{r}.npz") for r in range(4)], expected)
 
 
 @needs_slurm
 def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_checkpoint(
-        cluster, checkpoint_worker):  # noqa: F811 (test_faults' fixture)
+        cluster, checkpoint_worker):
     """An Estimator job with PreemptionHook gets `scancel --signal=USR1` mid-training: every
     rank stops after the same step and exits 0 saying so, rank 0's checkpoint of that step is
     whole (no temporary files, the `checkpoint` file names it), and a rerun resumes from it
