@@ -406,7 +406,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300, help="seconds per launch")
     parser.add_argument("--json", help="write one JSON object per row to this file")
     parser.add_argument("--chart", help="PNG of efficiency against hosts (default: next to "
-                        "--json, else none)")
+                        "--json; `none`: no chart)")
     parser.add_argument("--chart-only", help=argparse.SUPPRESS)
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--tf221-python", default=str(cluster_training.MPI_BIN / "python"))
@@ -429,9 +429,9 @@ def main() -> None:
     unknown = [n for n in names if n not in SYSTEMS]
     if unknown:
         sys.exit(f"--systems: unknown {', '.join(unknown)}; choose from {', '.join(SYSTEMS)}")
-    layouts = [parse_layout(text) for text in args.hosts.split(",")]
-    if (1, 1) not in layouts:
-        layouts.insert(0, (1, 1))  # every efficiency needs the one-host row
+    # Every efficiency needs the one-host row: measured first.
+    layouts = sorted({(1, 1), *(parse_layout(text) for text in args.hosts.split(","))},
+                     key=lambda layout: (layout[0] * layout[1], layout))
     try:
         args.link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         args.byte_scale = args.link_bytes_s / emulate.rate_bytes_per_second(args.real_link_rate)
@@ -451,21 +451,22 @@ def main() -> None:
                 for hosts, slots in layouts:
                     for name in names:
                         rows.append(measure(name, model, hosts, slots, args))
+                        if json_path and "failed" not in rows[-1]:
+                            add_relative([r for r in rows if "failed" not in r])
+                            with json_path.open("a") as out:
+                                out.write(json.dumps(rows[-1]) + "\n")
     except KeyboardInterrupt as stop:  # every launch has ended its processes and hosts
         signum = stop.args[0] if stop.args else signal.SIGINT
         print(f"stopped by signal {signum}", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
     measured = [r for r in rows if "failed" not in r]
     add_relative(measured)
-    if json_path:
-        with json_path.open("w") as out:
-            for row in measured:
-                out.write(json.dumps(row) + "\n")
     print_table(rows, args)
     print(f"\n{len(measured)} of {len(rows)} launches measured in "
           f"{(time.monotonic() - started) / 60:.1f} min", flush=True)
     chart = Path(args.chart) if args.chart else (json_path.with_suffix(".png") if json_path
                                                  else None)
+    chart = None if args.chart == "none" else chart
     if chart and json_path and measured:
         chart_with_any_python(json_path, chart, args)
     if any(r.get("failed") == "failed" for r in rows):

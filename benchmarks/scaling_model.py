@@ -61,14 +61,15 @@ class Profile:
     def tensor_elements(self, byte_scale: float) -> list[int]:
         """Element count of every emulated tensor in the order backprop produces them."""
         return [scaled(count, byte_scale) for layer in reversed(self.layers)
-                for _, count in layer.tensors]
+                for _, count in reversed(layer.tensors)]
 
     def backward_ready_ms(self, byte_scale: float) -> list[tuple[float, int]]:
         """(ms after backward starts, bytes) of each gradient, in the order it is produced."""
         ready, now = [], 0.0
         for layer in reversed(self.layers):
             now += layer.backward_ms
-            ready += [(now, 4 * scaled(count, byte_scale)) for _, count in layer.tensors]
+            ready += [(now, 4 * scaled(count, byte_scale))
+                      for _, count in reversed(layer.tensors)]
         return ready
 
     @property
