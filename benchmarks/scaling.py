@@ -341,6 +341,14 @@ def write_chart(json_path: Path, chart: Path) -> None:
                 if points:
                     label = system if slots == 1 else f"{system}, 2 ranks/host"
                     axis.plot(*zip(*points), style, label=label)
+        bound = sorted({(r["hosts"], r["comm_bound_examples_per_s"]
+                         / r["compute_bound_examples_per_s"]) for r in rows
+                        if r["model"] == model and r["ranks_per_host"] == 1})
+        if bound:
+            axis.plot(*zip(*bound), "k--", linewidth=1, label="compute + link bound")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sorted({r["hosts"] for r in rows}), [str(h) for h in sorted(
+            {r["hosts"] for r in rows})])
         axis.set_title(model)
         axis.set_xlabel("hosts")
         axis.set_ylabel("scaling efficiency")
