@@ -60,7 +60,7 @@ class System:
     title: str
     worker: str  # scaling_worker.py --system
     launch: str  # perseusrun, parameter_servers, gloo or mwms
-    python: str  # main, tf215 or peers
+    python: str  # product (--product-tf), main (TF 2.21), tf215 or peers
     tcp: bool = False
 
     @property
@@ -71,13 +71,13 @@ class System:
 
 SYSTEMS = {
     "run_config_mpi": System("Estimator + hvd.run_config(), MPI", "run_config", "perseusrun",
-                             "main"),
+                             "product"),
     "run_config_tcp": System("Estimator + hvd.run_config(), TCP", "run_config", "perseusrun",
-                             "main", tcp=True),
+                             "product", tcp=True),
     "sync_hook_mpi": System("MonitoredTrainingSession + hvd.SyncReplicasHook, MPI",
-                            "sync_hook", "perseusrun", "main"),
+                            "sync_hook", "perseusrun", "product"),
     "dist_opt_mpi": System("hvd.DistributedOptimizer (tf.compat.v1), MPI", "dist_opt",
-                           "perseusrun", "main"),
+                           "perseusrun", "product"),
     "horovod_mpi": System("Horovod 0.28.1 DistributedOptimizer, MPI", "horovod", "perseusrun",
                           "peers"),
     "horovod_gloo": System("Horovod 0.28.1 DistributedOptimizer, Gloo", "horovod", "gloo",
@@ -95,7 +95,15 @@ class Skip(Exception):
 
 
 def pythons(args: argparse.Namespace) -> dict:
-    return {"main": args.tf221_python, "tf215": args.tf215_python, "peers": args.peers_python}
+    product = args.tf215_python if args.product_tf == "2.15" else args.tf221_python
+    return {"product": product, "main": args.tf221_python, "tf215": args.tf215_python,
+            "peers": args.peers_python}
+
+
+def tensorflow_of(system: System, args: argparse.Namespace) -> str:
+    if system.python == "product":
+        return args.product_tf
+    return "2.21" if system.python == "main" else "2.15"
 
 
 def parse_layout(text: str) -> tuple[int, int]:
@@ -131,7 +139,7 @@ def launch(name: str, model: str, hosts: int, slots: int, args: argparse.Namespa
     stats_dir.mkdir()
     ranks = hosts * slots
     program = worker_argv(name, model, ranks, stats_dir, model_dir, args)
-    tensorflow = "2.15" if system.python != "main" else "2.21"
+    tensorflow = tensorflow_of(system, args)
     config = cluster_training.Config(system.title, tensorflow,
                                      "rank" if system.launch != "parameter_servers"
                                      else system.worker, tcp=system.tcp)
@@ -385,6 +393,11 @@ def prepare(names: list, args: argparse.Namespace) -> list:
             print(f"{name}: skipped, {python} is missing (`make peers` builds .venv-peers, "
                   "`make compat-venvs` .venv-tf215)", file=sys.stderr, flush=True)
             continue
+        if tensorflow_of(SYSTEMS[name], args) == "2.15" and SYSTEMS[name].python == "product" \
+                and not list((HERE.parent / "perseus_legacy").glob("_tf_ops_tf2_15*")):
+            print(f"{name}: skipped, perseus_legacy has no op library for TF 2.15 (`make "
+                  "tf215-ops`; or --product-tf 2.21)", file=sys.stderr, flush=True)
+            continue
         if python not in built:
             try:
                 built[python] = scaling_model.build_delay_library(python)
@@ -411,6 +424,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--step-scale", type=float, default=1.0,
                         help="multiplies the profile's compute time (tests)")
     parser.add_argument("--wait", choices=("op", "py_function"), default="op")
+    parser.add_argument("--product-tf", choices=("2.15", "2.21"), default="2.15",
+                        help="TensorFlow of this product's rows (2.15: the same as Horovod's "
+                        "and the parameter servers')")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per launch")
     parser.add_argument("--json", help="write one JSON object per row to this file")
     parser.add_argument("--chart", help="PNG of efficiency against hosts (default: next to "

@@ -74,7 +74,8 @@ def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
     out_json = tmp_path / "rows.jsonl"
     cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--models", "tiny", "--hosts", "2",
            "--systems", "run_config_tcp,sync_hook_mpi", "--steps", "3", "--warmup", "2",
-           "--step-scale", "0.5", "--timeout", "120", "--json", str(out_json),
+           "--step-scale", "0.5", "--timeout", "120", "--product-tf", "2.21",
+           "--json", str(out_json),
            "--chart", "none"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
