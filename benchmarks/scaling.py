@@ -49,7 +49,7 @@ import scaling_model  # noqa: E402
 WORKER = HERE / "scaling_worker.py"
 PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 REAL_LINK = "25gbit"  # the link of Horovod's published 128 x 4 Pascal GPU runs (RoCE)
-DEFAULT_MODELS = "resnet101,vgg16"
+DEFAULT_MODELS = "resnet101"
 DEFAULT_LAYOUTS = "1,2,4,8,4x2"
 DEFAULT_SYSTEMS = "run_config_mpi,run_config_tcp,horovod_mpi,sync_hook_mpi,ps_sync"
 GLOO_PORT = 24200
