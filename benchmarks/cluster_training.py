@@ -282,12 +282,14 @@ def launch_plain(config: Config, model_dir: Path, args: argparse.Namespace) -> d
 
 
 def launch_parameter_servers(config: Config, hosts: int, model_dir: Path,
-                             args: argparse.Namespace) -> dict:
+                             args: argparse.Namespace, program: list | None = None) -> dict:
     """A chief and hosts-1 workers, one per host, and `hosts` ps tasks: one beside each of
-    them, or (--ps-layout dedicated) each on a host of its own."""
+    them, or (--ps-layout dedicated) each on a host of its own. Every task runs `program`
+    (this script's process by default) with the configuration's Python."""
     from perseusrun import emulate
 
     python = python_for(config, args)
+    program = program or process_args(config, model_dir, hosts, args)
     procs = Processes(time.monotonic() + args.timeout)
     dedicated = args.ps_layout == "dedicated"
     with emulate.emulated_hosts(2 * hosts if dedicated else hosts,
@@ -302,7 +304,7 @@ def launch_parameter_servers(config: Config, hosts: int, model_dir: Path,
             def start(task_type: str, index: int, machine, extra: dict | None = None) -> str:
                 who = f"{task_type}{index}"
                 tf_config = {"cluster": cluster, "task": {"type": task_type, "index": index}}
-                procs.start(who, [python, *process_args(config, model_dir, hosts, args)],
+                procs.start(who, [python, *program],
                             process_env(config, {"TF_CONFIG": json.dumps(tf_config),
                                                  **(extra or {})}), machine)
                 return who
@@ -346,15 +348,17 @@ def launch_parameter_servers(config: Config, hosts: int, model_dir: Path,
 
 
 def launch_perseusrun(config: Config, hosts: int, model_dir: Path,
-                      args: argparse.Namespace) -> dict:
-    """perseusrun --emulate-hosts HOSTS: one rank per host, rank 0 reports."""
+                      args: argparse.Namespace, program: list | None = None,
+                      slots: int = 1) -> dict:
+    """perseusrun --emulate-hosts HOSTS:SLOTS, rank 0 reports. Each rank runs `program` (argv,
+    this script's process with the configuration's Python by default)."""
     python = python_for(config, args)
+    program = program or [python, *process_args(config, model_dir, hosts, args)]
     # A waiting rank yields its core: on separate machines its wait would cost no other host
     # anything, and here 4 hosts share 2 cores.
-    cmd = [python, "-m", "perseusrun", "--emulate-hosts", str(hosts), "--link-rate",
+    cmd = [python, "-m", "perseusrun", "--emulate-hosts", f"{hosts}:{slots}", "--link-rate",
            args.link_rate, "--yield-when-idle", "on", *(["--tcp"] if config.tcp else []),
-           "--timeout", str(int(args.timeout)),
-           python, *process_args(config, model_dir, hosts, args)]
+           "--timeout", str(int(args.timeout)), *program]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=process_env(config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     out = None

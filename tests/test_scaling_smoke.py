@@ -1,0 +1,88 @@
+"""Smoke test of benchmarks/scaling.py: the emulated model and a short run of this product's
+rows on emulated hosts (perseusrun/emulate.py). No timing is asserted: the machine is shared.
+
+The model checks run anywhere; the launch needs root and iproute2 and is skipped without them,
+with the reason. Horovod's and the parameter servers' rows need the peers and TF 2.15 venvs,
+which `make test` does not build: they are left out here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT, failure_summary, launch_env, needs_emulation
+
+BENCHMARKS = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import scaling_model  # noqa: E402 (benchmarks/ is on sys.path only now)
+
+
+@pytest.mark.parametrize("model", [*scaling_model.MODELS, scaling_model.TINY])
+def test_profile_times_add_up_to_the_step_and_keep_every_tensor(model):
+    profile = scaling_model.load_profile(model)
+    raw = json.loads((scaling_model.PROFILES / f"{model}.json").read_text())
+    assert profile.forward_ms + profile.backward_ms == pytest.approx(raw["step_ms"])
+    assert profile.backward_ms == pytest.approx(2 * profile.forward_ms)
+    names = [t["name"] for layer in raw["layers"] for t in layer["tensors"]]
+    assert [name for layer in profile.layers for name, _ in layer.tensors] == names
+
+
+def test_bounds_have_no_link_time_on_one_host_and_some_on_two():
+    profile = scaling_model.load_profile("vgg16")
+    one = scaling_model.step_bounds_ms(profile, 1, 1 / 25, 125e6)
+    two = scaling_model.step_bounds_ms(profile, 2, 1 / 25, 125e6)
+    assert one["comm_ms"] == 0 and one["compute_comm_ms"] == pytest.approx(one["compute_ms"])
+    gradient_bytes = 4 * sum(profile.tensor_elements(1 / 25))
+    assert two["comm_ms"] == pytest.approx(1e3 * gradient_bytes / 125e6)  # 2(n-1)/n = 1
+    assert two["compute_ms"] <= two["compute_comm_ms"] <= two["compute_ms"] + two["comm_ms"]
+
+
+def test_gradients_have_every_tensors_scaled_size():
+    import tensorflow as tf
+
+    profile = scaling_model.load_profile("tiny", step_scale=0.01)
+    with tf.Graph().as_default():
+        loss = scaling_model.build_loss(profile, 0.04, scaling_model.Wait("op"))
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        grads = [g for g, _ in optimizer.compute_gradients(loss)]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            values = session.run(grads)
+    # compute_gradients lists them in variable (forward) order; backprop makes them in reverse.
+    assert [value.size for value in reversed(values)] == profile.tensor_elements(0.04)
+    assert profile.tensor_elements(0.04) == [12760, 12000, 40, 8000]  # x 0.04, last first
+
+
+@needs_emulation
+def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
+    out_json = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--models", "tiny", "--hosts", "2",
+           "--systems", "run_config_tcp,sync_hook_mpi", "--steps", "3", "--warmup", "2",
+           "--step-scale", "0.5", "--timeout", "120", "--product-tf", "2.21",
+           "--json", str(out_json),
+           "--chart", "none"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # scaling.py ends its launches and hosts
+        out, _ = proc.communicate(timeout=60)
+        raise AssertionError(f"scaling.py timed out:\n{failure_summary(out)}\n{out}") from None
+    assert proc.returncode == 0, f"{failure_summary(out)}\n{out}"
+    rows = [json.loads(line) for line in out_json.read_text().splitlines()]
+    assert {(r["system"], r["hosts"]) for r in rows} == {
+        (s, h) for s in ("run_config_tcp", "sync_hook_mpi") for h in (1, 2)}
+    for row in rows:
+        for field in ("model", "system", "hosts", "ranks_per_host", "examples_per_s",
+                      "efficiency", "compute_bound_examples_per_s",
+                      "comm_bound_examples_per_s", "cpu_ms_per_step", "cpu_busy"):
+            assert row[field] is not None, (field, row)
+        assert row["examples_per_s"] > 0 and row["trainers"] == row["hosts"]
+    assert "| run_config_tcp | 2x1 |" in out and "| sync_hook_mpi | 2x1 |" in out
