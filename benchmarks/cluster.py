@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
+
+from timing import timed  # benchmarks/timing.py, next to this file
 
 MIB = 1024 * 1024
 SIZES = [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
@@ -32,26 +32,6 @@ ROWS = {"op_mpi": "TF op, MPI", "op_tcp": "TF op, TCP", "mpi4py": "mpi4py Allred
 MPI_ROWS = ("op_mpi", "mpi4py")  # timed, taking turns, in the one launch over MPI
 RATIO_FROM_BYTES = 4 * MIB  # below it the per-call overheads, not the links, decide
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def timed(steps: dict, barrier, agree, repeats: int, budget_s: float) -> dict:
-    """Median seconds per call of each step; the steps take turns within every repeat."""
-    batches = {}
-    for name, step in steps.items():
-        step()  # warm-up: negotiation, first allocations
-        t0 = time.perf_counter()
-        step()
-        one = max(time.perf_counter() - t0, 1e-6)
-        batches[name] = agree(max(1, min(200, int(budget_s / len(steps) / repeats / one))))
-    samples: dict = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            barrier()
-            t0 = time.perf_counter()
-            for _ in range(batches[name]):
-                step()
-            samples[name].append((time.perf_counter() - t0) / batches[name])
-    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: float) -> None:

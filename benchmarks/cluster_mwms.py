@@ -37,7 +37,7 @@ def worker(sizes: list, repeats: int, budget_s: float) -> None:
     """One MWMS worker (TF_CONFIG set); worker 0 prints `CLUSTER_SECONDS {"mwms": {...}}`."""
     import numpy as np
     import tensorflow as tf
-    from cluster import timed  # benchmarks/cluster.py: this script's directory is on sys.path
+    from timing import timed  # benchmarks/timing.py: this script's directory is on sys.path
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
@@ -88,7 +88,7 @@ def worker(sizes: list, repeats: int, budget_s: float) -> None:
         print("CLUSTER_SECONDS " + json.dumps({"mwms": seconds}), flush=True)
 
 
-def _worker_env(addresses: list, index: int) -> dict:
+def worker_env(addresses: list, index: int) -> dict:
     env = {key: value for key, value in os.environ.items()
            if key.lower() not in PROXY_VARIABLES}
     env.update(TF_CONFIG=json.dumps({"cluster": {"worker": addresses},
@@ -136,7 +136,7 @@ def launch(hosts: int, slots: int, link_rate: str, args: argparse.Namespace) -> 
             for index, log in enumerate(logs):
                 with open(log, "w") as out:
                     procs.append(cluster[index // slots].popen(
-                        argv, env=_worker_env(addresses, index), stdout=out,
+                        argv, env=worker_env(addresses, index), stdout=out,
                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         except BaseException:
             for proc in procs:

@@ -197,7 +197,7 @@ def launch_mwms(hosts: int, slots: int, python: str, program: list,
         addresses = [f"{host.address}:{cluster_mwms.BASE_PORT + slot}" for host in cluster
                      for slot in range(slots)]
         env = cluster_training.process_env(base)
-        env.update(cluster_mwms._worker_env(addresses, index))
+        env.update(cluster_mwms.worker_env(addresses, index))
         env.update(cluster_training.THREADS)
         env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)])
         return env
