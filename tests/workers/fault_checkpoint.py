@@ -166,17 +166,22 @@ class Progress(tf.compat.v1.train.SessionRunHook):
         self.record["end_step"] = int(self.values["global_step"])
 
 
-def main() -> None:
-    model_dir, out, phase = sys.argv[1:4]
-    if phase not in PHASES:
-        sys.exit(f"unknown phase {phase!r}; expected one of {PHASES}")
+def make_estimator(model_dir: str, phase: str) -> tf.estimator.Estimator:
+    """This rank's Estimator: run_config(), a checkpoint every EVERY steps, one thread."""
     config = pl.run_config(
         model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
         log_step_count_steps=None,
         session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                                 inter_op_parallelism_threads=1))
+    return tf.estimator.Estimator(make_model_fn(pl.rank(), phase), config=config)
+
+
+def main() -> None:
+    model_dir, out, phase = sys.argv[1:4]
+    if phase not in PHASES:
+        sys.exit(f"unknown phase {phase!r}; expected one of {PHASES}")
+    estimator = make_estimator(model_dir, phase)
     rank, size = pl.rank(), pl.size()
-    estimator = tf.estimator.Estimator(make_model_fn(rank, phase), config=config)
     progress = Progress(rank, phase)
     try:
         estimator.train(input_fn(rank, size), max_steps=TOTAL_STEPS, hooks=[progress])

@@ -18,7 +18,7 @@ import perseus_legacy as pl
 import sys
 
 import tensorflow as tf
-from fault_checkpoint import EVERY, TOTAL_STEPS, input_fn, make_model_fn
+from fault_checkpoint import TOTAL_STEPS, input_fn, make_estimator
 
 WAIT_STEP = 4  # not a checkpoint step: the step after it is saved only by the preemption
 WAIT_SECONDS = 120
@@ -45,13 +45,8 @@ class WaitForSignal(tf.compat.v1.train.SessionRunHook):
 
 def main() -> None:
     model_dir = sys.argv[1]
-    config = pl.run_config(
-        model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
-        log_step_count_steps=None,
-        session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                                inter_op_parallelism_threads=1))
+    estimator = make_estimator(model_dir, "preempt")
     rank, size = pl.rank(), pl.size()
-    estimator = tf.estimator.Estimator(make_model_fn(rank, "preempt"), config=config)
     preemption = pl.PreemptionHook()
     estimator.train(input_fn(rank, size), max_steps=TOTAL_STEPS,
                     hooks=[preemption, WaitForSignal(rank, preemption)])
