@@ -217,11 +217,11 @@ Status TcpController::GatherToCoordinator(const std::string& mine,
   if (!failed_.ok()) return failed_;
   if (options_.rank != 0) {
     QueueMessage(0, mine);
-    return ControlExchange({}, kPeerSilenceSecs);
+    return ControlExchange({}, silence_secs_);
   }
   std::vector<int> others;
   for (int peer = 1; peer < size_; ++peer) others.push_back(peer);
-  Status s = ControlExchange(others, kPeerSilenceSecs);
+  Status s = ControlExchange(others, silence_secs_);
   if (!s.ok()) return s;
   all->assign(size_, std::string());
   (*all)[0] = mine;
@@ -237,9 +237,9 @@ Status TcpController::BroadcastFromCoordinator(std::string* bytes) {
   if (options_.rank == 0) {
     const std::string frame = Frame(kFrameMessage, *bytes);
     for (int peer = 1; peer < size_; ++peer) peers_[peer].outbox += frame;
-    return ControlExchange({}, kPeerSilenceSecs);
+    return ControlExchange({}, silence_secs_);
   }
-  Status s = ControlExchange({0}, kPeerSilenceSecs);
+  Status s = ControlExchange({0}, silence_secs_);
   if (!s.ok()) return s;
   *bytes = std::move(peers_[0].messages.front());
   peers_[0].messages.pop_front();

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 
@@ -42,6 +43,10 @@ TcpController::~TcpController() {
       ++i;
     }
   }
+}
+
+void TcpController::SetWaitLimits(double /*warning_secs*/, double shutdown_secs) {
+  silence_secs_ = shutdown_secs > 0 ? std::min(kPeerSilenceSecs, shutdown_secs) : kPeerSilenceSecs;
 }
 
 std::string TcpController::Describe(int peer) const {

@@ -14,8 +14,8 @@
 // Data plane (tcp_ring.cc): raw bytes between pairs, moved by one nonblocking engine: ring
 // allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
 // overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv. A closed socket, an
-// abort notice or a peer silent for kPeerSilenceSecs fails the operation on every rank with an
-// error naming the peer.
+// abort notice or a peer silent for kPeerSilenceSecs (or PERSEUS_STALL_SHUTDOWN_SECS when that is
+// shorter: SetWaitLimits) fails the operation on every rank with an error naming the peer.
 #pragma once
 
 #include <atomic>
@@ -49,6 +49,9 @@ class TcpController : public Controller {
   int cross_size() const override { return options_.cross_size; }
   bool threads_supported() const override { return false; }
   std::string name() const override { return "tcp"; }
+  // A peer silent for `shutdown_secs` (when > 0 and below kPeerSilenceSecs) counts as lost:
+  // a frozen rank or a cut link is noticed at the stall limit (what elastic runs regroup on).
+  void SetWaitLimits(double warning_secs, double shutdown_secs) override;
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
   Status BroadcastFromCoordinator(std::string* bytes) override;
@@ -153,6 +156,7 @@ class TcpController : public Controller {
   std::vector<Peer> peers_;
   std::vector<char> scratch_;  // one received chunk, before it is reduced
   Status failed_;              // the first failure; every later call returns it
+  double silence_secs_ = kPeerSilenceSecs;  // how long a silent peer is waited for
   uint64_t control_received_ = 0;  // control bytes received so far (progress of a wait)
   // The hierarchical allreduce's groups over the mesh (local(), cross()); null when it does not
   // apply. Declared last: destroyed first.
