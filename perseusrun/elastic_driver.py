@@ -165,8 +165,8 @@ class Driver:
         if not joining:
             return
         if len(joining) < self.min_np:
-            self.failure = (f"only {len(joining)} ranks remain, fewer than --min-np "
-                            f"{self.min_np}; ending the job")
+            self.failure = (f"{len(joining)} rank(s) left, fewer than --min-np {self.min_np}: "
+                            "ending the job")
             _say(self.failure)
             for worker in joining:
                 worker.answer = {"exit": self.failure, "code": TOO_FEW_EXIT_CODE}

@@ -46,7 +46,10 @@ TcpController::~TcpController() {
 }
 
 void TcpController::SetWaitLimits(double /*warning_secs*/, double shutdown_secs) {
-  silence_secs_ = shutdown_secs > 0 ? std::min(kPeerSilenceSecs, shutdown_secs) : kPeerSilenceSecs;
+  // Never below kMinSilenceSecs: idle ranks speak once a second (the runtime's heartbeat).
+  silence_secs_ = shutdown_secs > 0
+                      ? std::clamp(shutdown_secs, kMinSilenceSecs, kPeerSilenceSecs)
+                      : kPeerSilenceSecs;
 }
 
 std::string TcpController::Describe(int peer) const {

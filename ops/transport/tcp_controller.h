@@ -49,8 +49,9 @@ class TcpController : public Controller {
   int cross_size() const override { return options_.cross_size; }
   bool threads_supported() const override { return false; }
   std::string name() const override { return "tcp"; }
-  // A peer silent for `shutdown_secs` (when > 0 and below kPeerSilenceSecs) counts as lost:
-  // a frozen rank or a cut link is noticed at the stall limit (what elastic runs regroup on).
+  // A peer silent for `shutdown_secs` (when > 0 and below kPeerSilenceSecs; at least
+  // kMinSilenceSecs) counts as lost: a frozen rank or a cut link is noticed at the stall limit
+  // (what elastic runs regroup on).
   void SetWaitLimits(double warning_secs, double shutdown_secs) override;
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
