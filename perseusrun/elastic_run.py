@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from perseus_env import ELASTIC_DRIVER_VARIABLE, ELASTIC_WORKER_VARIABLE
+import perseus_env
+from perseus_env import ELASTIC_DRIVER_VARIABLE, ELASTIC_WORKER_VARIABLE, SECRET_VARIABLE
 from perseusrun import supervise
 from perseusrun.elastic_driver import Driver, Worker
 from perseusrun.job import UsageError, check_job_args, is_local_host, job_hosts, rank_environment
@@ -125,7 +126,7 @@ class ElasticJob:
         self.hosts: dict[str, int] = {}  # discovered host -> slots
         self.started = 0
         self.codes: dict[str, int] = {}
-        self.driver = Driver(env["PERSEUS_SECRET"], place.driver_address,
+        self.driver = Driver(perseus_env.read(SECRET_VARIABLE, env) or "", place.driver_address,
                              min_np=args.min_np, max_np=args.max_np, ports=ports,
                              on_lost=self._lost)
 

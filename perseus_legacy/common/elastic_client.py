@@ -9,7 +9,6 @@ worker it starts. Every message proves the job secret (perseus_env.elastic_send)
 
 from __future__ import annotations
 
-import os
 import secrets
 import socket
 import sys
@@ -139,4 +138,4 @@ def hosts_updated(secret: str) -> bool:
 
 def describe() -> str:
     """This worker's name and round, for messages."""
-    return f"worker {os.environ.get(ELASTIC_WORKER_VARIABLE, '?')} (round {current_round()})"
+    return f"worker {perseus_env.read(ELASTIC_WORKER_VARIABLE) or '?'} (round {current_round()})"
