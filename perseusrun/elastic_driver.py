@@ -112,8 +112,10 @@ class Driver:
     def hosts_updated(self) -> bool:
         """Whether workers wait to join, or members must leave (a removed host)."""
         live = [w for w in self.workers.values() if w.alive and not w.lost]
-        return any(w.member_of == 0 and w.asked is not None for w in live) or any(
-            w.removed and w.member_of == self.round for w in live)
+        members = [w for w in live if w.member_of == self.round and self.round > 0]
+        room = len(members) < self.max_np
+        return any(w.member_of == 0 and w.asked is not None and room for w in live) or any(
+            w.removed for w in members)
 
     def stop(self) -> None:
         with self._cv:
@@ -199,11 +201,14 @@ class Driver:
                 self._cv.wait(timeout=0.2)
             for worker in self.workers.values():
                 if worker.asked is not None and worker.answer is None:
-                    worker.answer = ({"exit": self.failure, "code": TOO_FEW_EXIT_CODE}
-                                     if self.failure else
-                                     {"exit": "the job finished before this worker joined",
-                                      "code": 0})
+                    worker.answer = self._final_answer()
             self._cv.notify_all()
+
+    def _final_answer(self) -> dict:
+        """What a worker asking for a round gets once the job is over."""
+        if self.failure:
+            return {"exit": self.failure, "code": TOO_FEW_EXIT_CODE}
+        return {"exit": "the job finished before this worker joined", "code": 0}
 
     # ---- the service -------------------------------------------------------------------------
 
@@ -244,6 +249,8 @@ class Driver:
             if op == "poll":
                 return {"updated": self.hosts_updated()}
             if op == "rendezvous":
+                if self.failure or self.finished:
+                    return self._final_answer()
                 worker.asked = int(request.get("round", 0))
                 worker.answer = None
                 self.events.append((time.time(), f"asked {name}"))

@@ -63,18 +63,21 @@ def _check_against_reference(run: faults_elastic.ElasticRun) -> dict:
 
 
 @needs_emulation
-@pytest.mark.parametrize("mode, losses", [
-    # Keras: rank 0 itself is killed; the new rank 0 gives the state.
-    ("keras", [("kill", 0, LOSS_BOUND)]),
+@pytest.mark.parametrize("mode, losses, removed", [
+    # Keras: rank 0 itself is killed (the new rank 0 gives the state); after host 4 joined,
+    # host 1 leaves the discovered hosts.
+    ("keras", [("kill", 0, LOSS_BOUND)], 1),
     # The tape loop: a frozen rank, then a cut link (both noticed at the stall limit).
-    ("tape", [("freeze", 2, STALL_SECONDS + LOSS_BOUND), ("cut", 1, LOSS_BOUND)]),
+    ("tape", [("freeze", 2, STALL_SECONDS + LOSS_BOUND), ("cut", 1, LOSS_BOUND)], None),
 ])
-def test_lost_ranks_survivors_continue_then_a_new_host_joins(tmp_path, mode, losses):
+def test_lost_ranks_survivors_continue_then_hosts_join_and_leave(tmp_path, mode, losses,
+                                                                 removed):
     # 5 emulated hosts, 4 in the job; each loss comes at step 20 of the group before it (or
-    # later); host 4 is added once the survivors train, and the job ends after it joined.
-    rounds = len(losses) + 2
-    final_size = 4 - len(losses) + 1
-    run = _run(tmp_path, hosts=5, initial=[0, 1, 2, 3], np_=4, min_np=final_size - 1,
+    # later); host 4 is added once the survivors train (then `removed` is dropped), and the
+    # job ends a few steps after the last change.
+    rounds = len(losses) + 2 + (removed is not None)
+    final_size = 4 - len(losses) + 1 - (removed is not None)
+    run = _run(tmp_path, hosts=5, initial=[0, 1, 2, 3], np_=4, min_np=4 - len(losses),
                program=[str(WORKERS / "elastic_train.py"), mode, "60", str(rounds), "5000"])
     results = []
     try:
@@ -83,14 +86,23 @@ def test_lost_ranks_survivors_continue_then_a_new_host_joins(tmp_path, mode, los
                          and int(t.split()[1]) >= 20 * (n + 1), f"step {20 * (number + 1)}")
             results.append((bound, run.lose_and_resume(how, host, 4 - number - 1)))
         run.set_hosts([0, 1, 2, 3, 4])
-        run.wait_for(lambda t: t.startswith("STEP ") and f" SIZE {final_size} ROUND {rounds} "
-                     in t, f"a step on {final_size} ranks after the new host joined")
+        joined = 4 - len(losses) + 1
+        run.wait_for(lambda t: t.startswith("STEP ") and
+                     f" SIZE {joined} ROUND {len(losses) + 2} " in t,
+                     f"a step on {joined} ranks after the new host joined")
+        if removed is not None:
+            run.set_hosts([h for h in range(5) if h != removed])
+            run.wait_for(lambda t: t.startswith("STEP ") and f" SIZE {final_size} ROUND "
+                         f"{rounds} " in t, f"a step on {final_size} ranks after host "
+                         f"{removed} left")
         code = _finish(run)
     finally:
         run.kill()
     assert code == 0, run.output()
     final = _check_against_reference(run)
     assert (final["size"], final["round"]) == (final_size, rounds), final
+    if removed is not None:
+        assert "its host left the job's hosts" in run.output(), run.output()
     for bound, row in results:
         print(row)
         assert row["seconds_to_next_step"] < bound, f"{row}\n{run.output()}"

@@ -148,8 +148,9 @@ def as_internal_error(exc: BaseException) -> BaseException:
     exceptions as they are."""
     if isinstance(exc, HorovodInternalError) or not is_collective_failure(exc):
         return exc
-    return HorovodInternalError(str(exc).strip().splitlines()[0] if str(exc).strip() else
-                                type(exc).__name__)
+    # TensorFlow puts its own lines first ("Graph execution error:"): keep the runtime's.
+    lines = [line.strip() for line in str(exc).splitlines() if COMMUNICATION_FAILED in line]
+    return HorovodInternalError(lines[0] if lines else str(exc))
 
 
 def reset(state: State) -> None:
