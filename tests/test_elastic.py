@@ -1,12 +1,14 @@
 """Elastic training on the TCP transport (perseusrun --tcp --min-np/--host-discovery-script, see
 perseusrun/elastic_run.py): real ranks on emulated hosts lose one (killed, frozen, link cut),
-continue on the survivors within the bound, then a host added back joins; the final weights
-equal one process trained on the same global batches (tests/workers/elastic_train.py). Too few
-ranks left end the job with a clear error. Every launch has a timeout.
+continue on the survivors within the bound, then a host added back joins (and one dropped
+leaves); the final weights equal one process trained on the same global batches
+(tests/workers/elastic_train.py). Too few ranks left end the job with a clear error. The driver
+answers only requests that prove the job secret. Every launch has a timeout.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import numpy as np
 import pytest
 from harness import ROOT, WORKERS, launch_env, namespaces_of, needs_emulation
 
-from perseusrun import launch
+import perseus_env
+from perseusrun import elastic_run, launch
+from perseusrun.elastic_driver import Driver, Worker
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import faults_elastic  # noqa: E402 (benchmarks/ is on sys.path only now)
@@ -32,6 +36,35 @@ LOSS_BOUND = 10.0  # seconds from a kill or a cut link to the next completed ste
 def test_bad_elastic_command_lines_exit_2_naming_the_problem(capsys, argv, message):
     assert launch.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_discovery_output_is_host_slots_lines():
+    assert elastic_run.parse_discovery("a:2\n# comment\nb\n\nc:1 # spare\n") == [
+        ("a", 2), ("b", 1), ("c", 1)]
+    with pytest.raises(ValueError, match="bad line 'a:x'"):
+        elastic_run.parse_discovery("a:x\n")
+
+
+def test_driver_answers_only_requests_that_prove_the_job_secret():
+    secret = "elastic-test-secret-0123456789"
+    driver = Driver(secret, "127.0.0.1", min_np=1, max_np=1, ports=lambda r, w: [0] * len(w),
+                    on_lost=lambda worker, why: None)
+    driver.add_worker(Worker(name="h/0", host="h", slot=0, address="127.0.0.1", order=0))
+    host, port = driver.address.rsplit(":", 1)
+    try:
+        for key, answered in (("wrong-secret-0123456789abcdef", False), (secret, True)):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                reader = sock.makefile("r", encoding="utf-8")
+                nonce = reader.readline().strip()
+                perseus_env.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
+                                                            "nonce": "n" * 32, "round": 0})
+                if answered:
+                    answer = perseus_env.elastic_receive(reader, secret, "n" * 32, "answer")
+                    assert answer == {"updated": False}
+                else:
+                    assert reader.readline() == ""  # closed without an answer
+    finally:
+        driver.stop()
 
 
 def _run(tmp_path: Path, **kwargs) -> faults_elastic.ElasticRun:
