@@ -124,6 +124,7 @@ class ElasticJob:
         self.threads: list[threading.Thread] = []
         self.blacklist: set[str] = set()
         self.hosts: dict[str, int] = {}  # discovered host -> slots
+        self.unknown: set[str] = set()  # discovered names that are no host of this job
         self.started = 0
         self.codes: dict[str, int] = {}
         self.driver = Driver(perseus_env.read(SECRET_VARIABLE, env) or "", place.driver_address,
@@ -142,7 +143,10 @@ class ElasticJob:
         if resolved is None:
             raise UsageError(f"host {host!r} is not one this job can start workers on")
         name, address, wrap = resolved
-        worker = Worker(name=f"{name}/{slot}", host=name, slot=slot, address=address,
+        worker_name = f"{name}/{slot}"
+        if worker_name in self.procs:  # the host was dropped and listed again: a new worker
+            worker_name += f".{self.started}"
+        worker = Worker(name=worker_name, host=name, slot=slot, address=address,
                         order=self.started)
         self.started += 1
         env = {**self.base, ELASTIC_DRIVER_VARIABLE: self.driver.address,
@@ -158,18 +162,16 @@ class ElasticJob:
             thread.start()
             self.threads.append(thread)
 
-    def _running_on(self, host: str) -> int:
-        return sum(1 for name, proc in self.procs.items()
-                   if name.rsplit("/", 1)[0] == host and proc.poll() is None)
-
     def update_hosts(self, hosts: list[tuple[str, int]], limit: int) -> None:
         """Starts workers on new hosts' free slots (up to `limit` running), removes gone hosts."""
         canonical = []
         for name, slots in hosts:
             resolved = self.place.resolve(name)
             if resolved is None:
-                print(f"perseusrun: elastic: ignoring discovered host {name!r}: not a host of "
-                      "this job", file=sys.stderr, flush=True)
+                if name not in self.unknown:
+                    self.unknown.add(name)
+                    print(f"perseusrun: elastic: ignoring discovered host {name!r}: not a host "
+                          "of this job", file=sys.stderr, flush=True)
                 continue
             canonical.append((resolved[0], slots))
         for gone in set(self.hosts) - {name for name, _ in canonical}:
@@ -200,7 +202,8 @@ class ElasticJob:
                 time.sleep(supervise.POLL_SECONDS)
                 for name, proc in list(self.procs.items()):
                     if name not in self.codes and proc.poll() is not None:
-                        self.codes[name] = supervise._exit_code(proc.returncode)  # noqa: SLF001
+                        code = proc.returncode
+                        self.codes[name] = 128 - code if code < 0 else code  # killed: 128 + N
                         self.driver.worker_exited(name, self.codes[name])
                 now = time.monotonic()
                 if stopped or (deadline is not None and now >= deadline):
