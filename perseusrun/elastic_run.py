@@ -35,9 +35,11 @@ PORT_BLOCKS = 32
 
 
 def is_elastic(args: argparse.Namespace) -> bool:
-    """Whether the command line asks for elastic training."""
-    return any(getattr(args, name, None) is not None
-               for name in ("min_np", "max_np", "host_discovery_script"))
+    """Whether the command line asks for elastic training: --max-np, --host-discovery-script,
+    or --min-np without --restarts (which restarts the whole job instead)."""
+    if getattr(args, "max_np", None) is not None or getattr(args, "host_discovery_script", None):
+        return True
+    return getattr(args, "min_np", None) is not None and not getattr(args, "restarts", 0)
 
 
 def check_elastic_args(args: argparse.Namespace) -> None:
