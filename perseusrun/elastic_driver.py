@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import perseus_env
 
 # A worker whose heartbeat (every 0.5 s) stopped this long ago, while the others regroup, is lost.
-HEARTBEAT_LIMIT = 3.0
+HEARTBEAT_LIMIT = 5.0
 # The first round waits this long for every started worker, then forms with those that came.
 START_WAIT = 300.0
 HANDSHAKE_SECONDS = 10.0
