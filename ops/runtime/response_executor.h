@@ -16,6 +16,13 @@
 
 namespace perseus {
 
+// The result of `request` in a job of a single rank, where every collective is this rank's own
+// data: an allreduce scales its input into its output, a broadcast from rank 0 copies it. Runs on
+// the caller's thread with no negotiation or transport (the runtime's one-rank short cut);
+// false, with nothing done, for a collective it does not cover (allgather, alltoall, a broadcast
+// from another root: these take the ordinary path, whose errors they need).
+bool CompleteOnSingleRank(const CollectiveRequest& request);
+
 class ResponseExecutor {
  public:
   ResponseExecutor(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
