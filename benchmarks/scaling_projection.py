@@ -81,7 +81,7 @@ def step_ms(profile: scaling_model.Profile, hosts: int, byte_scale: float, link_
     return profile.forward_ms + max(profile.backward_ms, free) + one_host_extra_ms
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def profile_of(model: str) -> scaling_model.Profile:
     return scaling_model.load_profile(model)
 
