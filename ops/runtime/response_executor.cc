@@ -59,14 +59,18 @@ int64_t NowIf(bool timed) { return timed ? Timeline::NowMicros() : 0; }
 
 }  // namespace
 
-bool CompleteOnSingleRank(const CollectiveRequest& request) {
+bool CoveredOnSingleRank(const CollectiveRequest& request) {
+  return request.type == CollectiveType::kAllreduce ||
+         (request.type == CollectiveType::kBroadcast && request.root_rank == 0);
+}
+
+void CompleteOnSingleRank(const CollectiveRequest& request) {
   const int64_t count = NumElements(request.shape);
   const size_t bytes = static_cast<size_t>(count) * DataTypeSize(request.dtype);
-  if (request.type == CollectiveType::kBroadcast && request.root_rank == 0) {
+  if (request.type == CollectiveType::kBroadcast) {
     CopyBytes(request.output, request.input, bytes);
-    return true;
+    return;
   }
-  if (request.type != CollectiveType::kAllreduce) return false;
   // Sum, Average (over one rank), Min, Max, Product: all the input itself. The scale factors
   // apply as in Allreduce: prescale on the way in, postscale on the way out.
   const void* src = request.input;
@@ -79,7 +83,6 @@ bool CompleteOnSingleRank(const CollectiveRequest& request) {
   } else {
     CopyBytes(request.output, src, bytes);
   }
-  return true;
 }
 
 Status ResponseExecutor::Run(const Response& response,

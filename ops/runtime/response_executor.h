@@ -16,12 +16,14 @@
 
 namespace perseus {
 
-// The result of `request` in a job of a single rank, where every collective is this rank's own
-// data: an allreduce scales its input into its output, a broadcast from rank 0 copies it. Runs on
-// the caller's thread with no negotiation or transport (the runtime's one-rank short cut);
-// false, with nothing done, for a collective it does not cover (allgather, alltoall, a broadcast
-// from another root: these take the ordinary path, whose errors they need).
-bool CompleteOnSingleRank(const CollectiveRequest& request);
+// Whether CompleteOnSingleRank covers `request`: an allreduce, or a broadcast from rank 0. The
+// others (allgather, alltoall, a broadcast from another root) take the ordinary path, whose
+// output allocation or errors they need.
+bool CoveredOnSingleRank(const CollectiveRequest& request);
+// The result of a covered `request` in a job of a single rank, where every collective is this
+// rank's own data: an allreduce scales its input into its output, a broadcast copies it. Runs on
+// the caller's thread with no negotiation or transport (the runtime's one-rank short cut).
+void CompleteOnSingleRank(const CollectiveRequest& request);
 
 class ResponseExecutor {
  public:

@@ -309,8 +309,7 @@ Status Runtime::AdmitLocked(CollectiveRequest& request) {
 bool Runtime::ShortCut(const CollectiveRequest& request) const {
   // The timeline keeps its phases of every collective: with it on, one rank takes the rounds.
   return size_.load() == 1 && request.process_set_id == 0 && !timeline_.enabled() &&
-         (request.type == CollectiveType::kAllreduce ||
-          (request.type == CollectiveType::kBroadcast && request.root_rank == 0));
+         CoveredOnSingleRank(request);
 }
 
 Status Runtime::CheckProcessSet(const CollectiveRequest& request) const {
