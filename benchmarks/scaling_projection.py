@@ -122,20 +122,24 @@ def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_
 
 
 def fit(rows: list, byte_scale: float, link_bytes_s: float) -> Constants:
-    """The constants whose largest relative error over the calibration rows is least."""
-    best, best_error = None, float("inf")
-    for efficiency in [0.70 + 0.01 * i for i in range(31)]:
-        for hop_ms in [0.01 * i for i in range(0, 101)]:
-            constants = Constants(efficiency, hop_ms)
-            checks = predictions(rows, constants, byte_scale, link_bytes_s,
-                                 {CALIBRATION_SYSTEM})
-            if not checks:
-                raise ValueError(f"no {CALIBRATION_SYSTEM} rows on 1 and 2+ hosts to calibrate "
-                                 "with")
-            error = max(abs(p - m) / m for _, p, m in checks)
-            if error < best_error:
-                best, best_error = constants, error
-    return best
+    """The constants whose largest relative error over the calibration rows is least: a coarse
+    grid (link share 0.70-1.00 by 0.05, hop 0-2 ms by 0.05 ms), then a fine one (0.01) around
+    the best point of the coarse one."""
+
+    def worst_error(constants: Constants) -> float:
+        checks = predictions(rows, constants, byte_scale, link_bytes_s, {CALIBRATION_SYSTEM})
+        if not checks:
+            raise ValueError(f"no {CALIBRATION_SYSTEM} rows on 1 and 2+ hosts to calibrate with")
+        return max(abs(p - m) / m for _, p, m in checks)
+
+    def best_of(efficiencies, hops) -> Constants:
+        grid = [Constants(round(e, 4), round(h, 4)) for e in efficiencies for h in hops
+                if 0 < e <= 1 and h >= 0]
+        return min(grid, key=worst_error)
+
+    coarse = best_of([0.70 + 0.05 * i for i in range(7)], [0.05 * i for i in range(41)])
+    return best_of([coarse.efficiency + 0.01 * i for i in range(-5, 6)],
+                   [coarse.hop_ms + 0.01 * i for i in range(-5, 6)])
 
 
 def project(constants: Constants, models: list, real_link_bytes_s: float) -> list:
