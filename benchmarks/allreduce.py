@@ -11,7 +11,7 @@ TCP column (unless --no-tcp): after the MPI tables, rank 0 starts a separate
 `perseusrun --tcp -np N` launch of this script (`--tcp-worker`), which times
 `perseus_legacy._core.allreduce` on numpy arrays over the TCP controller (no MPI), into a reused
 output array like mpi4py's receive buffer, and prints it next to this run's mpi4py times (target:
-TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB).
+TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB), with the TF op's chain and floor over TCP.
 
 How the op is measured:
 - The input is a variable, so no feed is copied into the graph each step.
@@ -20,7 +20,10 @@ How the op is measured:
   memcpy), which measures the Session fetch path rather than the collective.
 - Each session.run runs CHAIN allreduces one after the other (control dependencies keep them
   from being fused), so session.run's fixed Python and executor cost (~0.1-0.3 ms) is shared
-  as in a real training step with many ops; the last column shows one allreduce per run.
+  as in a real training step with many ops; a column shows one allreduce per run.
+- TensorFlow's floor: the same chain with tf.identity in place of each allreduce, timed in the
+  same turns; "TF op over floor" is what one allreduce adds to the step (also for the TF op
+  over TCP, in the TCP launch).
 Rank 0 prints markdown tables.
 """
 
