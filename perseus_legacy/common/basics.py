@@ -201,7 +201,9 @@ def runtime_stats() -> dict:
     "cache_hits" / "cache_misses" (tensors negotiated through the response cache / sent on to
     the coordinator), "cache_evictions", "cache_invalidations", "coordinator_rounds",
     "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped",
-    "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md).
+    "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md),
+    "single_rank_shortcuts" (allreduces and broadcasts of a one-rank job, which complete on the
+    submitting thread with no negotiation, unless a timeline runs).
     """
     return dict(core().runtime_stats())
 
