@@ -140,10 +140,12 @@ def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
             verdict = IMPOSTOR.read_exactly(sock, 1)
             answer = IMPOSTOR.read_exactly(sock, 32)
         header, nonce = message[:12], message[12:12 + IMPOSTOR.NONCE_BYTES]
-        rank0_nonce = hello[len(IMPOSTOR.MAGIC) + 4:]
-        expected = hmac.new(secret, b"perseus-accept" + nonce + rank0_nonce +
-                            struct.pack("<III", 0, 1, 0), sha256).digest()
+        expected = hmac.new(secret, b"perseus-accept" + nonce + IMPOSTOR.hello_nonce(hello) +
+                            struct.pack("<III", 0, 1, 0) + IMPOSTOR.job_digest(hello),
+                            sha256).digest()
         assert header == struct.pack("<III", 1, 0, 2)
+        job = "".join(address + "\n" for address in addresses).encode()
+        assert IMPOSTOR.job_digest(hello) == sha256(b"perseus-job\n" + job).digest()
         assert (verdict, answer) == (b"\x01", expected)
         sock, hello = IMPOSTOR.connect_when_listening(addresses[0], timeout=30)
         with sock:  # rank 1's control channel, with a forged HMAC
