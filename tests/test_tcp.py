@@ -16,7 +16,7 @@ import sys
 from hashlib import sha256
 
 import pytest
-from harness import ROOT, WORKERS, finish, rank_env, task_env, worker_module
+from harness import ROOT, WORKERS, finish, rank_env, run_ranks, task_env, worker_module
 
 from perseus_legacy.common import tf_config
 from perseusrun import launch
@@ -163,6 +163,20 @@ def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
     assert rank0.returncode == 3 and "INIT FAILED" in out, out
     assert re.search(r"perseus_legacy\[rank 0\]: refused a connection from 127\.0\.0\.1:\d+: "
                      r"authentication failed: it does not know this job's secret", out), out
+
+
+def test_a_control_frame_injected_into_a_connection_fails_the_job_naming_the_peer():
+    """Rank 1 writes a forged abort notice (its MAC not the connection's) into its control
+    connection to rank 0, as a party on the path could: rank 0 acts on nothing of it and fails
+    the job naming rank 1; the forged text reaches no rank."""
+    out = run_ranks(2, "tests/workers/tcp_forge.py", controller="tcp", timeout=120).stdout
+    for rank in (0, 1):
+        refused = re.search(rf"\[rank {rank}\] REFUSED: (.*)", out)
+        assert refused, out
+        assert re.search(r"rank 1 \(127\.0\.0\.1:\d+\) sent control frame \d+ with a MAC that "
+                         r"does not match its connection's key: the frame was altered or "
+                         r"injected on the way", refused.group(1)), out
+    assert "INJECTED" not in out, out
 
 
 # ---- tasks started by hand with TF_CONFIG ----------------------------------------------------

@@ -1,4 +1,5 @@
-// SHA-256, HMAC-SHA-256 and nonces for the TCP handshake (tcp_rendezvous.cc).
+// SHA-256, HMAC-SHA-256 and nonces for the TCP handshake (tcp_rendezvous.cc) and control frames
+// (tcp_control.cc).
 #include "transport/tcp_auth.h"
 
 #include <sys/random.h>

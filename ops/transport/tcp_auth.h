@@ -1,5 +1,6 @@
-// Job-secret authentication for the TCP controller's rendezvous: SHA-256 and HMAC-SHA-256
-// (FIPS 180-4, RFC 2104), written here so the runtime needs no crypto library, plus nonces.
+// Job-secret authentication for the TCP controller's rendezvous and control frames: SHA-256 and
+// HMAC-SHA-256 (FIPS 180-4, RFC 2104), written here so the runtime needs no crypto library, plus
+// nonces.
 #pragma once
 
 #include <array>
