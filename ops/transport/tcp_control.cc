@@ -27,9 +27,9 @@ constexpr size_t kMaxQueuedMessages = 16;
 
 std::string U64(uint64_t value) { return U32(value & 0xffffffffu) + U32(value >> 32); }
 
-Digest FrameMac(const std::string& key, int sender, int receiver, uint64_t sequence,
+Digest FrameMac(const HmacKey& key, int sender, int receiver, uint64_t sequence,
                 const char* frame, size_t bytes) {
-  return HmacSha256(key, U32(sender) + U32(receiver) + U64(sequence) + std::string(frame, bytes));
+  return key.Mac(U32(sender) + U32(receiver) + U64(sequence) + std::string(frame, bytes));
 }
 
 // A message this rank may not send (kMaxControlMessageBytes), named before anything is sent.

@@ -34,6 +34,7 @@
 
 #include "transport/options.h"
 #include "transport/controller.h"
+#include "transport/tcp_auth.h"
 #include "transport/tcp_socket.h"
 
 namespace perseus {
@@ -101,7 +102,7 @@ class TcpController : public Controller {
   struct Peer {
     Socket control;  // rank 0 <-> this peer (on rank 0: one per peer; elsewhere: to rank 0 only)
     Socket data;     // this rank <-> the peer
-    std::string control_key;     // the control connection's frame key (from its handshake)
+    HmacKey control_key;         // the control connection's frame key (from its handshake)
     uint64_t frames_sent = 0;    // control frames sealed for this peer so far
     uint64_t frames_received = 0;  // control frames from it verified so far
     std::string inbox;                 // control bytes received and not yet parsed
@@ -137,7 +138,7 @@ class TcpController : public Controller {
   bool ClaimFits(const std::string& claim, std::string* why) const;
   Status AcceptOne(int fd, const std::string& nonce, const std::string& claim);
   // The key of the control frames of a connection whose handshake used these nonces.
-  std::string ControlKey(const std::string& listener_nonce, const std::string& dialer_nonce,
+  HmacKey ControlKey(const std::string& listener_nonce, const std::string& dialer_nonce,
                          int listener, int dialer) const;
   // `refused`: set when the peer refused our proof of the secret.
   Status Dial(int peer, int channel, double deadline, bool* refused);

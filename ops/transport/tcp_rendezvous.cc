@@ -543,11 +543,12 @@ Status TcpController::AcceptOne(int fd, const std::string& nonce, const std::str
   return Status::OK();
 }
 
-std::string TcpController::ControlKey(const std::string& listener_nonce,
-                                      const std::string& dialer_nonce, int listener,
-                                      int dialer) const {
-  return AsString(HmacSha256(options_.secret, "perseus-frames" + listener_nonce + dialer_nonce +
-                                                  U32(listener) + U32(dialer) + job_digest_));
+HmacKey TcpController::ControlKey(const std::string& listener_nonce,
+                                  const std::string& dialer_nonce, int listener,
+                                  int dialer) const {
+  return HmacKey(AsString(HmacSha256(options_.secret, "perseus-frames" + listener_nonce +
+                                                          dialer_nonce + U32(listener) +
+                                                          U32(dialer) + job_digest_)));
 }
 
 // Dials `peer` from this rank's own address until it answers or the start deadline passes; then
