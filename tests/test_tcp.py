@@ -165,17 +165,21 @@ def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
                      r"authentication failed: it does not know this job's secret", out), out
 
 
-def test_a_control_frame_injected_into_a_connection_fails_the_job_naming_the_peer():
-    """Rank 1 writes a forged abort notice (its MAC not the connection's) into its control
-    connection to rank 0, as a party on the path could: rank 0 acts on nothing of it and fails
-    the job naming rank 1; the forged text reaches no rank."""
-    out = run_ranks(2, "tests/workers/tcp_forge.py", controller="tcp", timeout=120).stdout
+@pytest.mark.parametrize("forged,error", [
+    ("abort", r"sent control frame \d+ with a MAC that does not match its connection's key: the "
+              r"frame was altered or injected on the way"),
+    ("length", r"sent a control frame of 1073741824 bytes, beyond the limit of 67108864 bytes"),
+], ids=["forged abort notice", "header announcing 1 GiB"])
+def test_a_control_frame_injected_into_a_connection_fails_the_job_naming_the_peer(forged, error):
+    """Rank 1 writes a forged frame into its control connection to rank 0, as a party on the
+    path could: an abort notice without the connection's MAC, or a header announcing 1 GiB.
+    Rank 0 acts on nothing of it and fails the job at once naming rank 1; the forged text
+    reaches no rank."""
+    out = run_ranks(2, "tests/workers/tcp_forge.py", forged, controller="tcp", timeout=120).stdout
     for rank in (0, 1):
         refused = re.search(rf"\[rank {rank}\] REFUSED: (.*)", out)
         assert refused, out
-        assert re.search(r"rank 1 \(127\.0\.0\.1:\d+\) sent control frame \d+ with a MAC that "
-                         r"does not match its connection's key: the frame was altered or "
-                         r"injected on the way", refused.group(1)), out
+        assert re.search(r"rank 1 \(127\.0\.0\.1:\d+\) " + error, refused.group(1)), out
     assert "INJECTED" not in out, out
 
 

@@ -1,10 +1,12 @@
 """Rank 1 of a TCP job writes a forged control frame into its connection to rank 0 (as a party
-on the path could inject one): an abort notice whose MAC is not the connection's.
+on the path could inject one).
 
-    perseusrun --tcp -np 2 python tcp_forge.py
+    perseusrun --tcp -np 2 python tcp_forge.py abort|length
 
-After one allreduce, rank 1 writes the frame into the first socket it holds to rank 0 (its
-control connection, dialed before the data one) and both ranks allreduce again: each prints
+`abort`: an abort notice whose MAC is not the connection's. `length`: the header of a message
+frame announcing 1 GiB (within the old 2 GiB bound), and nothing after it. After one allreduce,
+rank 1 writes the frame into the first socket it holds to rank 0 (its control connection,
+dialed before the data one) and both ranks allreduce again: each prints
 `[rank r] REFUSED: <error>`, or `[rank r] UNEXPECTED: ...`.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import sys
 
 import numpy as np
 from worker_util import load_core
@@ -49,7 +52,10 @@ def main() -> None:
     if rank == 1:
         host, port = addresses[0].rsplit(":", 1)
         control = sockets_to(host, int(port))[0]
-        frame = struct.pack("<IIQ", 2, 0, len(FORGED_TEXT)) + FORGED_TEXT + os.urandom(32)
+        if sys.argv[1] == "abort":
+            frame = struct.pack("<IIQ", 2, 0, len(FORGED_TEXT)) + FORGED_TEXT + os.urandom(32)
+        else:
+            frame = struct.pack("<IIQ", 1, 0, 1 << 30)
         os.write(control, frame)
     try:
         core.allreduce(np.ones(4), "after", op=1)
