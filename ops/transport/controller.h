@@ -13,6 +13,10 @@
 
 namespace perseus {
 
+// The largest control-plane message (one rank's requests or the coordinator's answer) a transport
+// sends or accepts. A length above it is refused before anything is allocated for it.
+constexpr uint64_t kMaxControlMessageBytes = uint64_t{64} << 20;
+
 class Controller {
  public:
   virtual ~Controller() = default;

@@ -25,6 +25,10 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
                              const Reduction* reduction) {
   if (!failed_.ok()) return failed_;
   const size_t item = reduction ? DataTypeSize(reduction->dtype) : 1;
+  if (item == 0) {
+    return Fail(Status::Error("perseus_legacy: no element size for dtype " +
+                              std::to_string(static_cast<int>(reduction->dtype))));
+  }
   const size_t chunk = std::max(item, kReduceChunkBytes / item * item);
   if (reduction && scratch_.size() < chunk) scratch_.resize(chunk);
   const std::vector<int> control = ControlPeers();
