@@ -12,10 +12,8 @@ skipped with the reason. Every cluster is started by the test that uses it and s
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
 import sys
-import threading
 
 import pytest
 from harness import (
@@ -26,11 +24,13 @@ from harness import (
     assert_ranks_match_reference,
     assert_resumed,
     assert_whole_checkpoints,
+    drain,
     failure_summary,
     finish_reference,
     launch_env,
     load_values,
     start_reference,
+    stream_lines,
     trajectory,
 )
 
@@ -323,7 +323,7 @@ def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_c
     argv = srun(sys.executable, ROOT / "tests" / "workers" / "slurm_preempt.py", model_dir)
     job = subprocess.Popen(cluster.command(argv), env=cluster.env(launch_env(env)), cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = _lines(job.stdout)
+    lines = stream_lines(job.stdout)
     seen: list[str] = []
     try:
         while sum("waiting for the preemption signal" in line for line in seen) < 4:
@@ -333,12 +333,12 @@ def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_c
         job_id = run_on_login_node(cluster, ["squeue", "--noheader", "--format=%i"]).split()
         assert len(job_id) == 1, job_id
         run_on_login_node(cluster, ["scancel", "--signal=USR1", job_id[0]])
-        assert job.wait(timeout=JOB_TIMEOUT) == 0, "".join(seen) + "".join(_drain(lines))
+        assert job.wait(timeout=JOB_TIMEOUT) == 0, "".join(seen) + "".join(drain(lines))
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
-    out = "".join(seen + _drain(lines))
+    out = "".join(seen + drain(lines))
     stop = PREEMPTED_STEP
     for rank in range(4):
         assert f"[rank {rank}] PREEMPTED by SIGUSR1 at step {stop}" in out, out
@@ -353,23 +353,3 @@ def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_c
     run_on_login_node(cluster, srun(sys.executable, ROOT / CHECKPOINT_WORKER, model_dir, rerun,
                                     "resume"), env=env)
     assert_resumed(rerun, stop, expected, ranks=4)
-
-
-def _lines(stream) -> queue.Queue:
-    """The stream's lines as they arrive, then None at its end."""
-    found: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        for line in stream:
-            found.put(line)
-        found.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    return found
-
-
-def _drain(lines: queue.Queue) -> list[str]:
-    rest = []
-    while (line := lines.get(timeout=30)) is not None:
-        rest.append(line)
-    return rest
