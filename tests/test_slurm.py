@@ -311,6 +311,40 @@ def test_srun_without_mpi_estimator_run_config_and_train_and_evaluate_like_one_p
 
 
 @needs_slurm
+def test_sbatch_estimator_under_srun_mpi_pmix_and_under_perseusrun_like_one_process(
+        cluster, tmp_path):
+    """One sbatch job, two steps of tests/workers/est_distributed.py on its allocation:
+    `srun --mpi=pmix` (the MPI controller through Slurm's PMIx) and then `perseusrun` with no
+    -H (mpirun on the allocation's hosts). Each step's ranks equal the one-process reference."""
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    reference = start_reference(ESTIMATOR, reference_dir, "reference")
+    outs = {step: cluster.directory / f"estimator-{step}" for step in ("pmix", "perseusrun")}
+    for out in outs.values():
+        out.mkdir()
+    script = cluster.directory / "estimator.sh"
+    program = f"{sys.executable} {ROOT / ESTIMATOR}"
+    script.write_text("#!/bin/sh\n"
+                      f"srun --mpi=pmix --kill-on-bad-exit=1 {program} {outs['pmix']} "
+                      "distributed || exit 1\n"
+                      f"exec {PERSEUSRUN} --timeout {ESTIMATOR_TIMEOUT - 60} {program} "
+                      f"{outs['perseusrun']} distributed\n")
+    output = cluster.directory / "estimator.out"
+    try:
+        run_on_login_node(cluster, ["sbatch", "--wait", "-N2", "--ntasks-per-node=2",
+                                    f"--output={output}", str(script)],
+                          timeout=ESTIMATOR_TIMEOUT)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- the job's output:\n"
+                             f"{output.read_text() if output.exists() else ''}") from None
+    finally:
+        expected = finish_reference(reference, reference_dir)
+    for out in outs.values():
+        assert_ranks_match_reference([load_values(out / f"rank{r}.npz") for r in range(4)],
+                                     expected)
+
+
+@needs_slurm
 def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_checkpoint(
         cluster, checkpoint_worker):
     """An Estimator job with PreemptionHook gets `scancel --signal=USR1` mid-training: every
