@@ -297,7 +297,8 @@ def test_the_estimator_under_srun_with_and_without_mpi_and_perseusrun_like_one_p
         cluster, tmp_path):
     """tests/workers/est_distributed.py (custom model_fn with and without estimator_hooks(), a
     DNNClassifier, retraining from rank 0's checkpoint, train_and_evaluate with rank 0
-    evaluating) as three steps of one sbatch job: `srun` without MPI (the TCP transport from
+    evaluating) as three steps of one sbatch job on 2 nodes x 1 task (the Estimator is
+    costly: the other tests place 2 tasks per node): `srun` without MPI (the TCP transport from
     Slurm's variables), `srun --mpi=pmix` (MPI through Slurm's PMIx) and `perseusrun` with no
     -H (mpirun on the allocation). Every rank of each equals the one-process reference."""
     reference_dir = tmp_path / "reference"
@@ -316,7 +317,7 @@ def test_the_estimator_under_srun_with_and_without_mpi_and_perseusrun_like_one_p
         out.mkdir()
     output = cluster.directory / "estimator.out"
     try:
-        run_on_login_node(cluster, ["sbatch", "--wait", "-N2", "--ntasks-per-node=2",
+        run_on_login_node(cluster, ["sbatch", "--wait", "-N2", "--ntasks-per-node=1",
                                     f"--output={output}", str(script)],
                           env={"PERSEUS_SECRET": SECRET}, timeout=ESTIMATOR_TIMEOUT)
     except AssertionError as exc:
@@ -325,7 +326,7 @@ def test_the_estimator_under_srun_with_and_without_mpi_and_perseusrun_like_one_p
     finally:
         expected = finish_reference(reference, reference_dir)
     for out in outs.values():
-        assert_ranks_match_reference([load_values(out / f"rank{r}.npz") for r in range(4)],
+        assert_ranks_match_reference([load_values(out / f"rank{r}.npz") for r in range(2)],
                                      expected)
 
 
@@ -390,12 +391,12 @@ def job_field(cluster: emulate_slurm.SlurmCluster, job_id: str, field: str) -> s
 @needs_slurm
 def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_resumes(
         cluster, checkpoint_worker):
-    """An `sbatch --requeue` job's time limit is lowered below its run time once every rank
-    waits mid-training: Slurm's SIGTERM at the time limit stops every rank after the same step,
-    each saying so, with rank 0's whole checkpoint of that step. Requeued (`scontrol requeuehold`,
-    a longer time limit, `scontrol release`), the job runs its batch script again
-    (SLURM_RESTART_COUNT=1): it resumes from that checkpoint and ends where one uninterrupted run
-    on the global batch ends."""
+    """An `sbatch --requeue` job (2 nodes x 1 task) has its time limit lowered below its run
+    time once every rank waits mid-training: Slurm's SIGTERM at the time limit stops every rank
+    after the same step, each saying so, with rank 0's whole checkpoint of that step. Requeued
+    (`scontrol requeuehold`, a longer time limit and a start of now, `scontrol release`), the
+    job runs its batch script again (SLURM_RESTART_COUNT=1): it resumes from that checkpoint and
+    ends where one uninterrupted run on the global batch ends."""
     worker, tf = checkpoint_worker
     model_dir = cluster.directory / "model"
     rerun = cluster.directory / "rerun"
@@ -413,7 +414,7 @@ def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_re
         f"{model_dir} {rerun} resume\n")
     submitted = run_on_login_node(
         cluster, ["sbatch", "--parsable", "--requeue", "--open-mode=append", "--time=10",
-                  "-N2", "--ntasks-per-node=2", f"--output={output}", str(script)],
+                  "-N2", "--ntasks-per-node=1", f"--output={output}", str(script)],
         env={"PERSEUS_SECRET": SECRET}, timeout=60)
     job_id = submitted.strip().split(";")[0]
 
@@ -424,7 +425,7 @@ def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_re
         return f"--- the job's output:\n{job_output()}\n{cluster.logs()}"
 
     poll("every rank waiting mid-training",
-         lambda: job_output().count("waiting for the preemption signal") == 4, JOB_TIMEOUT,
+         lambda: job_output().count("waiting for the preemption signal") == 2, JOB_TIMEOUT,
          context)
     run_on_login_node(cluster, ["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"],
                       timeout=60)
@@ -433,7 +434,7 @@ def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_re
     first = job_output()
     stop = PREEMPTED_STEP
     assert "DUE TO TIME LIMIT" in first, context()
-    for rank in range(4):
+    for rank in range(2):
         assert f"[rank {rank}] PREEMPTED by SIGTERM at step {stop}" in first, context()
         assert f"perseus_legacy[rank {rank}]: preempted by SIGTERM: training stopped on every " \
                f"rank after global step {stop}" in first, context()
@@ -451,4 +452,4 @@ def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_re
          lambda: job_field(cluster, job_id, "JobState") == "COMPLETED", JOB_TIMEOUT, context)
     assert job_field(cluster, job_id, "Restarts") == "1", context()
     assert f"run 1 of job {job_id}" in job_output(), context()
-    assert_resumed(rerun, stop, expected, ranks=4)
+    assert_resumed(rerun, stop, expected, ranks=2)
