@@ -391,8 +391,8 @@ def job_field(cluster: emulate_slurm.SlurmCluster, job_id: str, field: str) -> s
 @needs_slurm
 def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_resumes(
         cluster, checkpoint_worker):
-    """An `sbatch --requeue` job (2 nodes x 1 task) has its time limit lowered below its run
-    time once every rank waits mid-training: Slurm's SIGTERM at the time limit stops every rank
+    """An `sbatch --requeue` job (2 nodes x 1 task) has its time limit end (`EndTime=now`)
+    once every rank waits mid-training: Slurm's SIGTERM at the time limit stops every rank
     after the same step, each saying so, with rank 0's whole checkpoint of that step. Requeued
     (`scontrol requeuehold`, a longer time limit and a start of now, `scontrol release`), the
     job runs its batch script again (SLURM_RESTART_COUNT=1): it resumes from that checkpoint and
@@ -427,7 +427,9 @@ def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_re
     poll("every rank waiting mid-training",
          lambda: job_output().count("waiting for the preemption signal") == 2, JOB_TIMEOUT,
          context)
-    run_on_login_node(cluster, ["scontrol", "update", f"JobId={job_id}", "TimeLimit=1"],
+    # The time limit ends now; slurmctld enforces limits every 30 s (TimeLimit counts minutes
+    # from the job's start, which would add up to a minute more).
+    run_on_login_node(cluster, ["scontrol", "update", f"JobId={job_id}", "EndTime=now"],
                       timeout=60)
     poll("the job ended by its time limit",
          lambda: job_field(cluster, job_id, "JobState") == "TIMEOUT", JOB_TIMEOUT, context)
