@@ -19,9 +19,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "transport/tcp_auth.h"
 #include "transport/registry.h"
@@ -49,6 +53,10 @@ constexpr size_t kMinSecretBytes = 16;
 // Refused connections of each kind logged one line each; the rest are only counted.
 constexpr int kLoggedRefusals = 4;
 constexpr char kAuthFailed[] = "authentication failed";
+// How long a rank that was not joined looks up the missing ranks' names, to tell why.
+constexpr double kUnresolvedCheckSecs = 1.0;
+// How long the accept loop looks up each higher rank's name to count its handshakes by source.
+constexpr double kSourceLookupSecs = 1.0;
 
 // Why the listening side dropped a connection, as counted in the start-up summary.
 enum class Refusal { kIdle, kDropped, kGarbage, kWrongSecret, kOther, kCount };
@@ -110,24 +118,121 @@ bool SplitAddress(const std::string& address, std::string* host, std::string* po
   return true;
 }
 
-Status Resolve(const std::string& address, sockaddr_storage* out, socklen_t* length) {
+// One address of a name, as getaddrinfo gives it.
+struct Endpoint {
+  sockaddr_storage address{};
+  socklen_t length = 0;
+};
+
+// One getaddrinfo call, shared by the thread that makes it and the one that waits for it.
+struct Lookup {
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  int rc = 0;
+  std::vector<Endpoint> endpoints;
+};
+
+// getaddrinfo(host, port) on a helper thread, waited for until `until`: the call cannot be
+// interrupted and can block for the resolver's whole timeout (resolv.conf's attempts x
+// timeout), so a lookup still running at `until` is left to its thread, which owns its result,
+// and false is returned. Otherwise `rc` and every address found.
+bool LookupUntil(const std::string& host, const std::string& port, double until, int* rc,
+                 std::vector<Endpoint>* out) {
+  auto lookup = std::make_shared<Lookup>();
+  std::thread([lookup, host, port] {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int code = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
+    std::vector<Endpoint> endpoints;
+    for (const addrinfo* a = code == 0 ? found : nullptr; a != nullptr; a = a->ai_next) {
+      if (a->ai_addrlen > sizeof(sockaddr_storage)) continue;
+      Endpoint endpoint;
+      std::memcpy(&endpoint.address, a->ai_addr, a->ai_addrlen);
+      endpoint.length = a->ai_addrlen;
+      endpoints.push_back(endpoint);
+    }
+    if (found != nullptr) freeaddrinfo(found);
+    std::lock_guard<std::mutex> lock(lookup->mutex);
+    lookup->rc = code;
+    lookup->endpoints = std::move(endpoints);
+    lookup->done = true;
+    lookup->finished.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(lookup->mutex);
+  const std::chrono::duration<double> wait(std::max(0.0, until - Now()));
+  if (!lookup->finished.wait_for(lock, wait, [&] { return lookup->done; })) return false;
+  *rc = lookup->rc;
+  *out = lookup->endpoints;
+  return true;
+}
+
+// Answers that may change once the name is published (no such name yet, resolver busy).
+bool MayResolveLater(int rc) {
+  switch (rc) {
+    case EAI_NONAME:
+    case EAI_AGAIN:
+    case EAI_FAIL:
+#ifdef EAI_NODATA
+    case EAI_NODATA:
+#endif
+#ifdef EAI_ADDRFAMILY
+    case EAI_ADDRFAMILY:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+void LogRank(int rank, const std::string& text) {
+  std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank, text.c_str());
+  std::fflush(stderr);
+}
+
+// Every address of `address` ("host:port", rank `owner`'s), for rank `me`. A name that does not
+// resolve yet is looked up again until `deadline` (Kubernetes publishes the name of a pod's
+// headless service only after the pod starts), logging once that it waits; each lookup is
+// bounded by the deadline as well. `limit` names the start timeout for the error.
+Status Resolve(const std::string& address, int me, int owner, double deadline,
+               const std::string& limit, std::vector<Endpoint>* out) {
   std::string host, port;
   if (!SplitAddress(address, &host, &port)) {
     return Status::Error("perseus_legacy: \"" + address + "\" is not a host:port address");
   }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
-  if (rc != 0) {
-    return Status::Error("perseus_legacy: cannot resolve \"" + address + "\": " +
-                         gai_strerror(rc));
+  const std::string whose = owner == me ? "its own address" : "the address of rank " +
+                                                                  std::to_string(owner);
+  const std::string what = "the name \"" + host + "\" (" + whose + ", " + address + ")";
+  const double start = Now();
+  bool waiting = false;
+  double backoff = 0.1;
+  std::string last;
+  while (true) {
+    int rc = 0;
+    if (!LookupUntil(host, port, deadline, &rc, out)) {
+      last = "the last lookup had no answer when the time was up";
+    } else if (rc == 0 && !out->empty()) {
+      if (waiting) LogRank(me, what + " resolved after " + Seconds(Now() - start) + " s");
+      return Status::OK();
+    } else if (rc != 0 && !MayResolveLater(rc)) {
+      return Status::Error("perseus_legacy: rank " + std::to_string(me) + " cannot resolve " +
+                           what + ": " + gai_strerror(rc));
+    } else {
+      last = rc == 0 ? "no address" : gai_strerror(rc);
+      if (!waiting) {
+        LogRank(me, "waiting for " + what + " to resolve (" + last + "); looking it up again "
+                    "until " + limit);
+        waiting = true;
+      }
+    }
+    if (Now() + backoff >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
+    backoff = std::min(backoff * 2, 1.0);
   }
-  std::memcpy(out, found->ai_addr, found->ai_addrlen);
-  *length = found->ai_addrlen;
-  freeaddrinfo(found);
-  return Status::OK();
+  return Status::Error("perseus_legacy: rank " + std::to_string(me) + ": " + what +
+                       " did not resolve within " + limit + " (" + last + ")");
 }
 
 // The numeric host of `address` ("10.0.0.1", "::1"; an IPv4-mapped IPv6 address as IPv4) and
@@ -149,6 +254,12 @@ std::string NumericHost(const sockaddr_storage& address, int* port) {
     *port = ntohs(v6->sin6_port);
   }
   return host;
+}
+
+// A numeric form of an endpoint, for errors.
+std::string EndpointName(const Endpoint& endpoint) {
+  int port = 0;
+  return NumericHost(endpoint.address, &port);
 }
 
 // The numeric host of the other end of `fd`.
@@ -249,20 +360,31 @@ Status TcpController::Rendezvous() {
   std::string job;
   for (const std::string& address : options_.addresses) job += address + "\n";
   job_digest_ = AsString(Sha256("perseus-job\n" + job));
-  sockaddr_storage address{};
-  socklen_t length = 0;
-  Status s = Resolve(options_.addresses[me], &address, &length);
+  std::vector<Endpoint> own;
+  Status s = Resolve(options_.addresses[me], me, me, deadline, limit, &own);
   if (!s.ok()) return s;
-  own_address_ = address;
-  own_address_length_ = length;
-  Socket listener(socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  const int one = 1;
-  if (listener.valid()) setsockopt(listener.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (!listener.valid() ||
-      bind(listener.fd(), reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-      listen(listener.fd(), SOMAXCONN) != 0) {
+  Socket listener;  // on the first of the name's addresses that this machine can listen on
+  std::string why;
+  for (const Endpoint& endpoint : own) {
+    Socket candidate(socket(endpoint.address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    const int one = 1;
+    if (candidate.valid()) {
+      setsockopt(candidate.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    }
+    if (candidate.valid() &&
+        bind(candidate.fd(), reinterpret_cast<const sockaddr*>(&endpoint.address),
+             endpoint.length) == 0 &&
+        listen(candidate.fd(), SOMAXCONN) == 0) {
+      listener = std::move(candidate);
+      own_address_ = endpoint.address;
+      own_address_length_ = endpoint.length;
+      break;
+    }
+    why += (why.empty() ? "" : "; ") + EndpointName(endpoint) + ": " + Errno(errno);
+  }
+  if (!listener.valid()) {
     return Status::Error("perseus_legacy: rank " + std::to_string(me) + " cannot listen on " +
-                         "its address " + options_.addresses[me] + ": " + Errno(errno) +
+                         "its address " + options_.addresses[me] + " (" + why + ")" +
                          " (each task's address must belong to the machine it runs on)");
   }
 
@@ -292,9 +414,21 @@ Status TcpController::Rendezvous() {
   }
   if (!missing.empty()) {
     std::string expected;
+    // A missing rank whose name does not resolve here likely waits for it too: say so, after
+    // one quick lookup of each (all of them within kUnresolvedCheckSecs).
+    const double check_until = Now() + kUnresolvedCheckSecs;
     for (int peer : missing) {
+      std::string host, port;
+      int rc = 0;
+      std::vector<Endpoint> found;
+      std::string unresolved;
+      if (SplitAddress(options_.addresses[peer], &host, &port) &&
+          LookupUntil(host, port, check_until, &rc, &found) && rc != 0) {
+        unresolved = " (its name \"" + host + "\" does not resolve here either: " +
+                     gai_strerror(rc) + ")";
+      }
       expected += "; rank " + std::to_string(peer) + " at " + options_.addresses[peer] +
-                  (unproven[peer].empty() ? "" : ": " + unproven[peer]);
+                  unresolved + (unproven[peer].empty() ? "" : ": " + unproven[peer]);
     }
     return Fail(Status::Error(
         "perseus_legacy: ranks " + RankList(missing) + " never arrived at rank " +
@@ -360,18 +494,28 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
   std::vector<size_t> slots;
   std::vector<size_t> source_of_rank(size_, SIZE_MAX);
   for (int peer = options_.rank + 1; peer < size_; ++peer) {
-    sockaddr_storage address{};
-    socklen_t length = 0;
-    if (!Resolve(options_.addresses[peer], &address, &length).ok()) continue;  // Dial reports it
-    int port = 0;
-    const std::string host = NumericHost(address, &port);
-    const size_t index = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
-    if (index == hosts.size()) {
-      hosts.push_back(host);
-      slots.push_back(kPendingPerSource);
+    // One bounded lookup: a name not published yet (Dial waits for it and reports it) leaves
+    // that rank's handshakes among the strangers', as before this accounting.
+    std::string name, port_text;
+    std::vector<Endpoint> found;
+    int rc = 0;
+    if (!SplitAddress(options_.addresses[peer], &name, &port_text) ||
+        !LookupUntil(name, port_text, std::min(deadline, Now() + kSourceLookupSecs), &rc,
+                     &found) ||
+        rc != 0) {
+      continue;
     }
-    slots[index] += options_.rank == 0 ? 2 : 1;  // rank 0 is dialed twice by each rank
-    source_of_rank[peer] = index;
+    for (const Endpoint& endpoint : found) {  // the rank dials from one of these
+      int port = 0;
+      const std::string host = NumericHost(endpoint.address, &port);
+      const size_t index = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
+      if (index == hosts.size()) {
+        hosts.push_back(host);
+        slots.push_back(kPendingPerSource);
+      }
+      slots[index] += options_.rank == 0 ? 2 : 1;  // rank 0 is dialed twice by each rank
+      if (source_of_rank[peer] == SIZE_MAX) source_of_rank[peer] = index;
+    }
   }
   const size_t strangers = hosts.size();
   slots.push_back(kPendingPerSource);
@@ -554,33 +698,42 @@ HmacKey TcpController::ControlKey(const std::string& listener_nonce,
 // Dials `peer` from this rank's own address until it answers or the start deadline passes; then
 // both sides prove the secret. Every step is bounded by the start deadline.
 Status TcpController::Dial(int peer, int channel, double deadline, bool* refused) {
-  sockaddr_storage address{};
-  socklen_t length = 0;
-  Status s = Resolve(options_.addresses[peer], &address, &length);
+  std::vector<Endpoint> endpoints;
+  Status s = Resolve(options_.addresses[peer], options_.rank, peer, deadline,
+                     "PERSEUS_START_TIMEOUT=" + Seconds(options_.start_timeout_secs) + " s",
+                     &endpoints);
   if (!s.ok()) return s;
   std::string last_error = "no attempt";
   double backoff = 0.05;
   while (true) {
-    Socket fd(socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!fd.valid()) return Status::Error("perseus_legacy: socket(): " + Errno(errno));
-    // From this rank's address, so that the peer counts its handshake among this host's
-    // (AcceptLoop); on failure the kernel picks the source.
-    if (own_address_.ss_family == address.ss_family) {
-      const int one = 1;
-      setsockopt(fd.fd(), IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
-      sockaddr_storage source = own_address_;
-      if (source.ss_family == AF_INET) {
-        reinterpret_cast<sockaddr_in*>(&source)->sin_port = 0;
-      } else {
-        reinterpret_cast<sockaddr_in6*>(&source)->sin6_port = 0;
-      }
-      static_cast<void>(bind(fd.fd(), reinterpret_cast<sockaddr*>(&source), own_address_length_));
-    }
+    Socket fd;  // connected to the first of the name's addresses that answers
     const double until = std::min(deadline, Now() + kHandshakeSecs);
-    SetTimeouts(fd.fd(), std::max(0.001, until - Now()));
-    if (connect(fd.fd(), reinterpret_cast<sockaddr*>(&address), length) != 0) {
-      last_error = Errno(errno);
-    } else {
+    for (const Endpoint& endpoint : endpoints) {
+      Socket candidate(socket(endpoint.address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      if (!candidate.valid()) return Status::Error("perseus_legacy: socket(): " + Errno(errno));
+      // From this rank's address, so that the peer counts its handshake among this host's
+      // (AcceptLoop); on failure the kernel picks the source.
+      if (own_address_.ss_family == endpoint.address.ss_family) {
+        const int one = 1;
+        setsockopt(candidate.fd(), IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+        sockaddr_storage source = own_address_;
+        if (source.ss_family == AF_INET) {
+          reinterpret_cast<sockaddr_in*>(&source)->sin_port = 0;
+        } else {
+          reinterpret_cast<sockaddr_in6*>(&source)->sin6_port = 0;
+        }
+        static_cast<void>(
+            bind(candidate.fd(), reinterpret_cast<sockaddr*>(&source), own_address_length_));
+      }
+      SetTimeouts(candidate.fd(), std::max(0.001, until - Now()));
+      if (connect(candidate.fd(), reinterpret_cast<const sockaddr*>(&endpoint.address),
+                  endpoint.length) == 0) {
+        fd = std::move(candidate);
+        break;
+      }
+      last_error = (endpoints.size() > 1 ? EndpointName(endpoint) + ": " : "") + Errno(errno);
+    }
+    if (fd.valid()) {
       std::string hello;
       s = ReadFully(fd.fd(), kHelloBytes, &hello, until);
       if (!s.ok()) {
