@@ -69,7 +69,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PERSEUS_SECRET", "random per job under perseusrun", "a string of >= 16 bytes",
             "the job secret every TCP rank shares", (LIBRARY, LAUNCHER)),
     Setting("PERSEUS_START_TIMEOUT", "120", "seconds > 0",
-            "TCP: how long ranks wait for each other at init()", (LIBRARY,)),
+            "TCP: how long ranks wait for each other (and for their names to resolve) at init()", (LIBRARY,)),
     Setting(RANK_VARIABLE, "set by perseusrun --tcp", "a rank of PERSEUS_TCP_ADDRESSES",
             "TCP: this process's rank", (LIBRARY,)),
     Setting(ADDRESSES_VARIABLE, "set by perseusrun --tcp", "host:port,host:port,...",
