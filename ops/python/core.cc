@@ -310,13 +310,15 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "init",
-      [](intptr_t comm_handle) {
+      [](intptr_t comm_handle, double start_timeout) {
         TransportOptions options;
         options.mpi_comm_handle = comm_handle;
+        options.mpi_start_timeout_secs = start_timeout;
         InitOrRaise("mpi", options);
       },
-      py::arg("comm_handle") = 0,
-      "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given.");
+      py::arg("comm_handle") = 0, py::arg("start_timeout") = 120.0,
+      "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given; "
+      "each step of the set-up waits at most `start_timeout` seconds for the other ranks.");
   m.def(
       "init_tcp",
       [](int rank, std::vector<std::string> addresses, int local_rank, int local_size,

@@ -49,6 +49,7 @@ class TcpController : public Controller {
   int cross_size() const override { return options_.cross_size; }
   bool threads_supported() const override { return false; }
   std::string name() const override { return "tcp"; }
+  void Abort(const std::string& reason) override { static_cast<void>(Fail(Status::Error(reason))); }
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
   Status BroadcastFromCoordinator(std::string* bytes) override;

@@ -56,7 +56,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
 
 def _join_group(comm: Any) -> None:
     if comm is not None or tf_config.controller_from_env() == "mpi":
-        core().init(_comm_handle(comm))
+        core().init(_comm_handle(comm), tf_config.start_timeout())
         return
     cluster = tf_config.current_cluster()
     if cluster is None:
