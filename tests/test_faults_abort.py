@@ -77,3 +77,10 @@ def test_settings_that_must_agree_fail_init_on_every_rank_naming_each_ranks_valu
                "4096" in error, error
         assert "PERSEUS_CACHE_CAPACITY differs between ranks: rank 0 has 1024, rank 1 has 0" \
                in error, error
+
+
+def test_init_with_another_communicator_and_a_forked_child_fail_clearly():
+    out = run_ranks(2, str(ROOT / "tests" / "workers" / "fault_lifecycle.py"), timeout=90).stdout
+    for rank in range(2):
+        assert f"[rank {rank}] lifecycle OK" in out, out
+        assert f"[rank {rank}] child: perseus_legacy: " in out, out

@@ -1,0 +1,84 @@
+"""init() and shutdown() misuse fails clearly (MPI, 2 ranks, mpi4py owning MPI):
+
+- init() again with another communicator while initialized is an error naming both groups (it
+  used to do nothing); init() again with the same one is a no-op;
+- shutdown() then init() on that other communicator forms the new group;
+- a process forked after init(): its collectives fail at once saying so (they used to hang), and
+  its shutdown() returns at once, leaving the parent's background thread and connections alone.
+
+Each rank prints `[rank R] lifecycle OK` at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI  # first: MPI outlives shutdown(), so init() can follow it
+from worker_util import assert_close, fail
+
+from perseus_legacy import _core
+from perseus_legacy.common import basics
+
+CHILD_DEADLINE_SECS = 30
+
+
+def check_init_with_another_communicator(rank: int) -> None:
+    comm = MPI.COMM_WORLD.Dup()
+    basics.init()
+    basics.init()  # the same group again: nothing happens
+    try:
+        _core.init(MPI._handleof(comm))
+    except RuntimeError as exc:
+        if "init() was already called for MPI_COMM_WORLD" not in str(exc) or \
+                "call shutdown() first" not in str(exc):
+            fail(rank, f"init() with another communicator: unexpected error: {exc}")
+    else:
+        fail(rank, "init() with another communicator while initialized did nothing")
+    _core.shutdown()
+    _core.init(MPI._handleof(comm))
+    got = _core.allreduce(np.full(3, rank + 1.0), "lifecycle.sum", op=1)
+    assert_close(rank, "lifecycle.sum", got, np.full(3, 3.0))
+    _core.shutdown()
+    comm.Free()
+
+
+def check_fork_after_init(rank: int) -> None:
+    basics.init()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _core.allreduce(np.ones(2), "lifecycle.in_child", op=1)
+        except RuntimeError as exc:
+            ok = "in a process forked after init()" in str(exc)
+            print(f"[rank {rank}] child: {exc}", flush=True)
+            basics.shutdown()  # must return at once, leaving the parent's thread alone
+            # Not sys.exit: mpi4py's MPI_Finalize at exit cannot work in a forked child.
+            os._exit(0 if ok else 3)
+        os._exit(4)
+    deadline = time.monotonic() + CHILD_DEADLINE_SECS
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, 9)
+        fail(rank, "the forked child hung")
+    if os.waitstatus_to_exitcode(status) != 0:
+        fail(rank, f"the forked child exited with {os.waitstatus_to_exitcode(status)}")
+    got = _core.allreduce(np.ones(2), "lifecycle.parent", op=1)  # the parent is unaffected
+    assert_close(rank, "lifecycle.parent", got, np.full(2, 2.0))
+    _core.shutdown()
+
+
+def main() -> None:
+    rank = MPI.COMM_WORLD.Get_rank()
+    check_init_with_another_communicator(rank)
+    check_fork_after_init(rank)
+    print(f"[rank {rank}] lifecycle OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
