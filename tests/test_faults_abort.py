@@ -79,8 +79,12 @@ def test_settings_that_must_agree_fail_init_on_every_rank_naming_each_ranks_valu
                in error, error
 
 
-def test_init_with_another_communicator_and_a_forked_child_fail_clearly():
+def test_init_with_another_group_a_forked_child_and_ctrl_c_in_a_wait_fail_clearly():
     out = run_ranks(2, str(ROOT / "tests" / "workers" / "fault_lifecycle.py"), timeout=90).stdout
     for rank in range(2):
         assert f"[rank {rank}] lifecycle OK" in out, out
         assert f"[rank {rank}] child: perseus_legacy: " in out, out
+    interrupted = re.search(r"\[rank 0\] interrupted after ([\d.]+) s", out)
+    assert interrupted and float(interrupted.group(1)) < 2, out
+    assert re.search(r'\[rank 1\] after rank 0\'s Ctrl-C: perseus_legacy: rank 0 shut down while '
+                     r'"interrupt.other" was pending', out), out

@@ -1,11 +1,12 @@
 // pybind11 module perseus_legacy._core: the runtime's process-group calls and numpy collectives.
 // Collectives release the GIL while they wait, so other Python threads (and other ranks'
-// submission orders) are never blocked by one waiting call.
+// submission orders) are never blocked by one waiting call; Ctrl-C interrupts the wait.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -34,12 +35,29 @@ class Completion {
     statuses_[index] = status;
     if (--remaining_ == 0) cv_.notify_all();
   }
-  // The first error in request order, or OK.
-  Status Wait() {
+  // The first error in request order, or OK. Called without the GIL. Every kSignalCheck it
+  // takes the GIL to run Python's signal handlers: when one raises (Ctrl-C: KeyboardInterrupt),
+  // this rank shuts its runtime down, so that nothing writes into the buffers any more (the
+  // other ranks fail naming it), and `*interrupted` is set with the exception pending.
+  Status Wait(bool* interrupted) {
     // No spinning here: with ranks sharing cores, a polling waiter measurably slowed 1 MiB
     // allreduces (it competes with the MPI progress of its own and the other ranks).
+    constexpr auto kSignalCheck = std::chrono::milliseconds(100);
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return remaining_ == 0; });
+    while (!cv_.wait_for(lock, kSignalCheck, [this] { return remaining_ == 0; })) {
+      lock.unlock();
+      bool raised;
+      {
+        py::gil_scoped_acquire acquire;
+        raised = PyErr_CheckSignals() != 0;
+      }
+      if (raised) {
+        *interrupted = true;
+        Shutdown();  // fails what is pending: the wait below ends at once
+      }
+      lock.lock();
+      if (raised) cv_.wait(lock, [this] { return remaining_ == 0; });
+    }
     for (const Status& s : statuses_) {
       if (!s.ok()) return s;
     }
@@ -135,6 +153,7 @@ py::array ToArray(const py::dtype& dtype, GrownOutput& out) {
 // outlive them); raises the first error in request order.
 void SubmitAndWait(std::vector<CollectiveRequest> requests) {
   Status status;
+  bool interrupted = false;
   {
     py::gil_scoped_release release;
     auto completion = std::make_shared<Completion>(requests.size());
@@ -145,8 +164,9 @@ void SubmitAndWait(std::vector<CollectiveRequest> requests) {
     for (size_t i = 0; i < admitted.size(); ++i) {
       if (!admitted[i].ok()) completion->Set(i, admitted[i]);  // refused: done never runs
     }
-    status = completion->Wait();
+    status = completion->Wait(&interrupted);
   }
+  if (interrupted) throw py::error_already_set();
   if (!status.ok()) throw std::runtime_error(status.message());
 }
 

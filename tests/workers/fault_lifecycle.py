@@ -4,7 +4,9 @@
   used to do nothing); init() again with the same one is a no-op;
 - shutdown() then init() on that other communicator forms the new group;
 - a process forked after init(): its collectives fail at once saying so (they used to hang), and
-  its shutdown() returns at once, leaving the parent's background thread and connections alone.
+  its shutdown() returns at once, leaving the parent's background thread and connections alone;
+- Ctrl-C while waiting in a collective raises KeyboardInterrupt at once and shuts this rank's
+  runtime down; the other rank's pending collective fails naming it.
 
 Each rank prints `[rank R] lifecycle OK` at the end.
 """
@@ -12,6 +14,8 @@ Each rank prints `[rank R] lifecycle OK` at the end.
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 import numpy as np
@@ -73,10 +77,47 @@ def check_fork_after_init(rank: int) -> None:
     _core.shutdown()
 
 
+def submitted() -> int:
+    return _core.runtime_stats()["tensors_submitted"].get("allreduce", 0)
+
+
+def interrupt_once_submitted(before: int) -> None:
+    """Ctrl-C for this process once its allreduce is in the runtime (the main thread waits)."""
+    deadline = time.monotonic() + CHILD_DEADLINE_SECS
+    while submitted() == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def check_ctrl_c_interrupts_a_wait(rank: int) -> None:
+    """Rank 0 waits on an allreduce rank 1 never submits, and gets Ctrl-C: KeyboardInterrupt
+    at once; its runtime shuts down, so rank 1's pending allreduce fails naming rank 0."""
+    basics.init()
+    if rank == 0:
+        threading.Thread(target=interrupt_once_submitted, args=(submitted(),)).start()
+        start = time.monotonic()
+        try:
+            _core.allreduce(np.ones(2), "interrupt.lonely", op=1)
+        except KeyboardInterrupt:
+            print(f"[rank 0] interrupted after {time.monotonic() - start:.1f} s", flush=True)
+        else:
+            fail(rank, "the allreduce completed without rank 1")
+    else:
+        try:
+            _core.allreduce(np.ones(2), "interrupt.other", op=1)
+        except RuntimeError as exc:
+            print(f"[rank 1] after rank 0's Ctrl-C: {exc}", flush=True)
+        else:
+            fail(rank, "the allreduce completed without rank 0")
+    _core.shutdown()
+
+
 def main() -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     check_init_with_another_communicator(rank)
     check_fork_after_init(rank)
+    MPI.COMM_WORLD.Barrier()  # both ranks' runtimes are down before the next group forms
+    check_ctrl_c_interrupts_a_wait(rank)
     print(f"[rank {rank}] lifecycle OK", flush=True)
 
 
