@@ -11,9 +11,13 @@ Worker: tests/workers/fault_abort.py.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 from harness import ROOT, run_ranks
+
+from perseusrun import emulate
 
 WORKER = str(ROOT / "tests" / "workers" / "fault_abort.py")
 # Short limits: before the fix the survivors waited for them (MPI) or for kPeerSilenceSecs = 30 s
@@ -88,3 +92,22 @@ def test_init_with_another_group_a_forked_child_and_ctrl_c_in_a_wait_fail_clearl
     assert interrupted and float(interrupted.group(1)) < 2, out
     assert re.search(r'\[rank 1\] after rank 0\'s Ctrl-C: perseus_legacy: rank 0 shut down while '
                      r'"interrupt.other" was pending', out), out
+
+
+def test_emulation_lock_held_by_another_launcher_fails_naming_it(tmp_path):
+    """The lock that serialises emulated hosts' setup and removal waited without a bound."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from pathlib import Path; from perseusrun import "
+         "emulate\nwith emulate._locked(Path(sys.argv[1])):\n print('held', flush=True)\n "
+         "sys.stdin.read()", str(tmp_path)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(emulate.EmulationError, match=rf"another launcher \(pid {holder.pid}\) "
+                                                         r"has held .*lock for 0 s"):
+            with emulate._locked(tmp_path, timeout=0.2):
+                pass
+    finally:
+        holder.communicate(timeout=30)
+    with emulate._locked(tmp_path, timeout=5):  # free again once the holder is gone
+        pass
