@@ -76,6 +76,15 @@ def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_
     assert "aborting the MPI job" in out, out  # not MPI_Finalize, which waits for rank 1
 
 
+def test_mpi_frozen_rank_0_fails_the_others_within_the_bound_naming_it():
+    """The coordinator itself frozen: the other ranks wait on its answer, and name it."""
+    code, out = run_perseusrun(["-np", "2"], [WORKER, "stop", "0"], MPI_LIMITS)
+    assert code != 0, out
+    secs = assert_fault_named(out, 1, 0, MPI_BOUND_SECS, "(host ")
+    assert secs >= MPI_BOUND_SECS - 1, secs
+    assert "aborting the MPI job" in out, out
+
+
 def cut_host(out: str) -> str:
     """The host of rank 1 (the second emulated host) named in the survivors' errors."""
     host = re.search(r"rank 1 \(host (\S+)\)", out)
