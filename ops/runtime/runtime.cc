@@ -235,9 +235,10 @@ std::string GroupName(const std::string& transport, const TransportOptions& opti
 }
 
 Status Runtime::Init(const std::string& name, const TransportOptions& options) {
-  std::lock_guard<std::mutex> init_lock(init_mu_);
+  // Before any lock: a forked child may have inherited it locked by a thread it does not have.
   Status s = CheckNotForked("init()");
   if (!s.ok()) return s;
+  std::lock_guard<std::mutex> init_lock(init_mu_);
   const std::string group = GroupName(name, options);
   if (initialized_) {
     bool stopping;
@@ -387,7 +388,6 @@ void Runtime::ShutdownLocked() {
 }
 
 Status Runtime::AdmitLocked(CollectiveRequest& request) {
-  if (forked_) return CheckNotForked(Quoted(request.type, request.name).c_str());
   if (!stopped_reason_.empty()) {
     return Status::Error("perseus_legacy: cannot run " + Quoted(request.type, request.name) +
                          ": " + stopped_reason_);
@@ -424,9 +424,9 @@ std::vector<std::pair<int32_t, std::vector<int>>> Runtime::process_sets() {
 
 Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id) {
   const char* what = kind == SetChange::kAdd ? "add_process_set()" : "remove_process_set()";
+  if (forked_) return CheckNotForked(what);  // before the locks, as in Init
   std::lock_guard<std::mutex> one_at_a_time(set_change_mu_);
   std::unique_lock<std::mutex> lock(mu_);
-  if (forked_) return CheckNotForked(what);
   if (!initialized_) {
     return Status::Error(std::string("perseus_legacy has not been initialized: call "
                                      "perseus_legacy.init() before ") + what);
@@ -490,6 +490,12 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
   statuses.reserve(requests.size());
   bool admitted = false;
   const int64_t now_us = timeline_.enabled() ? Timeline::NowMicros() : 0;
+  if (forked_) {  // before the lock, as in Init
+    for (CollectiveRequest& request : requests) {
+      statuses.push_back(CheckNotForked(Quoted(request.type, request.name).c_str()));
+    }
+    return statuses;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (CollectiveRequest& request : requests) {
@@ -510,9 +516,9 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
 }
 
 Status Runtime::Join(int* last_joined_rank) {
+  if (forked_) return CheckNotForked("join()");  // before the lock, as in Init
   std::unique_lock<std::mutex> lock(mu_);
   const std::string on_rank = " on rank " + std::to_string(rank_);
-  if (forked_) return CheckNotForked("join()");
   if (!initialized_) {
     return Status::Error("perseus_legacy has not been initialized: call perseus_legacy.init() "
                          "before join()");
