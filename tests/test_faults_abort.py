@@ -83,7 +83,7 @@ def test_settings_that_must_agree_fail_init_on_every_rank_naming_each_ranks_valu
                in error, error
 
 
-def test_init_with_another_group_a_forked_child_and_ctrl_c_in_a_wait_fail_clearly():
+def test_init_with_another_group_a_forked_child_and_ctrl_c_in_waits_fail_clearly():
     out = run_ranks(2, str(ROOT / "tests" / "workers" / "fault_lifecycle.py"), timeout=90).stdout
     for rank in range(2):
         assert f"[rank {rank}] lifecycle OK" in out, out
@@ -92,6 +92,10 @@ def test_init_with_another_group_a_forked_child_and_ctrl_c_in_a_wait_fail_clearl
     assert interrupted and float(interrupted.group(1)) < 2, out
     assert re.search(r'\[rank 1\] after rank 0\'s Ctrl-C: perseus_legacy: rank 0 shut down while '
                      r'"interrupt.other" was pending', out), out
+    interrupted = re.search(r"\[rank 0\] join interrupted after ([\d.]+) s", out)
+    assert interrupted, out
+    assert re.search(r"\[rank 1\] after rank 0's Ctrl-C in join\(\): perseus_legacy: .*rank 0 "
+                     r"shut down", out), out
 
 
 def test_emulation_lock_held_by_another_launcher_fails_naming_it(tmp_path):

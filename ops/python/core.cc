@@ -294,6 +294,26 @@ py::tuple Alltoall(const py::object& value, const std::string& name,
   return py::make_tuple(ToArray(input.dtype(), *out), received_splits);
 }
 
+// Runs `call` (given an Interrupted, runtime.h) without the GIL, letting Python's signal
+// handlers run every 100 ms meanwhile. When one raises (Ctrl-C), this rank shuts its runtime
+// down (the other ranks fail naming it) and the exception propagates.
+template <typename Call>
+Status WaitInterruptibly(Call call) {
+  bool raised = false;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = call([&raised] {
+      py::gil_scoped_acquire acquire;
+      raised = PyErr_CheckSignals() != 0;
+      return raised;
+    });
+    if (raised) Shutdown();
+  }
+  if (raised) throw py::error_already_set();
+  return s;
+}
+
 // Init of the transport `name`, without the GIL (it waits for every rank); raises its error.
 void InitOrRaise(const std::string& name, const TransportOptions& options) {
   Status s;
@@ -401,11 +421,8 @@ PYBIND11_MODULE(_core, m) {
       [] {
         RequireInitialized("join");
         int last_joined_rank = -1;
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = Join(&last_joined_rank);
-        }
+        const Status s = WaitInterruptibly(
+            [&](const Interrupted& interrupted) { return Join(&last_joined_rank, interrupted); });
         if (!s.ok()) throw std::runtime_error(s.message());
         return last_joined_rank;
       },
@@ -453,11 +470,8 @@ PYBIND11_MODULE(_core, m) {
       [](const std::vector<int>& ranks) {
         RequireInitialized("add_process_set");
         int32_t id = 0;
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = AddProcessSet(ranks, &id);
-        }
+        const Status s = WaitInterruptibly(
+            [&](const Interrupted& interrupted) { return AddProcessSet(ranks, &id, interrupted); });
         if (!s.ok()) throw py::value_error(s.message());
         return id;
       },
@@ -467,11 +481,8 @@ PYBIND11_MODULE(_core, m) {
       "remove_process_set",
       [](int32_t id) {
         RequireInitialized("remove_process_set");
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = RemoveProcessSet(id);
-        }
+        const Status s = WaitInterruptibly(
+            [&](const Interrupted& interrupted) { return RemoveProcessSet(id, interrupted); });
         if (!s.ok()) throw py::value_error(s.message());
       },
       py::arg("process_set_id"),

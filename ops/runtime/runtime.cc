@@ -102,8 +102,9 @@ class Runtime {
     if (initialized_) forked_ = true;
   }
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
-  Status Join(int* last_joined_rank);
-  Status ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id);
+  Status Join(int* last_joined_rank, const Interrupted& interrupted);
+  Status ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id,
+                          const Interrupted& interrupted);
   std::vector<std::pair<int32_t, std::vector<int>>> process_sets();
   bool TakePeerJoined() { return peer_joined_.exchange(false); }
 
@@ -157,6 +158,10 @@ class Runtime {
   Status CheckProcessSet(const CollectiveRequest& request) const;
   void Stop(const std::string& reason, const MessageFor& message_for);
   void Log(const std::string& text) const;
+  // Waits on `cv` (with `lock` on mu_) until `done`, asking `interrupted` (unlocked) every
+  // 100 ms; false when it said to stop.
+  bool WaitUnlessInterrupted(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                             const std::function<bool()>& done, const Interrupted& interrupted);
   // The timeline's QUEUED and NEGOTIATE events of this rank's `entries` of `response`.
   void RecordNegotiation(const Response& response, const std::vector<CollectiveRequest*>& entries,
                          bool from_cache);
@@ -422,7 +427,25 @@ std::vector<std::pair<int32_t, std::vector<int>>> Runtime::process_sets() {
   return {sets_.begin(), sets_.end()};
 }
 
-Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id) {
+bool Runtime::WaitUnlessInterrupted(std::unique_lock<std::mutex>& lock,
+                                    std::condition_variable& cv,
+                                    const std::function<bool()>& done,
+                                    const Interrupted& interrupted) {
+  if (!interrupted) {
+    cv.wait(lock, done);
+    return true;
+  }
+  while (!cv.wait_for(lock, std::chrono::milliseconds(100), done)) {
+    lock.unlock();
+    const bool stop = interrupted();
+    lock.lock();
+    if (stop) return false;
+  }
+  return true;
+}
+
+Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id,
+                                 const Interrupted& interrupted) {
   const char* what = kind == SetChange::kAdd ? "add_process_set()" : "remove_process_set()";
   if (forked_) return CheckNotForked(what);  // before the locks, as in Init
   std::lock_guard<std::mutex> one_at_a_time(set_change_mu_);
@@ -443,7 +466,12 @@ Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, 
   set_change_id_ = *id;
   set_change_state_ = JoinState::kRequested;
   cv_.notify_one();
-  set_change_cv_.wait(lock, [this] { return set_change_state_ == JoinState::kDone; });
+  if (!WaitUnlessInterrupted(
+          lock, set_change_cv_, [this] { return set_change_state_ == JoinState::kDone; },
+          interrupted)) {
+    return Status::Error(std::string("perseus_legacy: ") + what + " interrupted on rank " +
+                         std::to_string(rank_));
+  }
   set_change_state_ = JoinState::kIdle;
   *id = set_change_id_;
   return set_change_status_;
@@ -515,7 +543,7 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
   return statuses;
 }
 
-Status Runtime::Join(int* last_joined_rank) {
+Status Runtime::Join(int* last_joined_rank, const Interrupted& interrupted) {
   if (forked_) return CheckNotForked("join()");  // before the lock, as in Init
   std::unique_lock<std::mutex> lock(mu_);
   const std::string on_rank = " on rank " + std::to_string(rank_);
@@ -534,7 +562,10 @@ Status Runtime::Join(int* last_joined_rank) {
   }
   join_state_ = JoinState::kRequested;
   cv_.notify_one();
-  join_cv_.wait(lock, [this] { return join_state_ == JoinState::kDone; });
+  if (!WaitUnlessInterrupted(
+          lock, join_cv_, [this] { return join_state_ == JoinState::kDone; }, interrupted)) {
+    return Status::Error("perseus_legacy: join() interrupted" + on_rank);
+  }
   join_state_ = JoinState::kIdle;
   *last_joined_rank = join_last_;
   return join_status_;
@@ -899,13 +930,15 @@ Status Enqueue(CollectiveRequest request) {
 std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
   return State().EnqueueAll(std::move(requests));
 }
-Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
-Status AddProcessSet(const std::vector<int>& ranks, int32_t* id) {
-  *id = 0;
-  return State().ChangeProcessSet(SetChange::kAdd, ranks, id);
+Status Join(int* last_joined_rank, const Interrupted& interrupted) {
+  return State().Join(last_joined_rank, interrupted);
 }
-Status RemoveProcessSet(int32_t id) {
-  return State().ChangeProcessSet(SetChange::kRemove, {}, &id);
+Status AddProcessSet(const std::vector<int>& ranks, int32_t* id, const Interrupted& interrupted) {
+  *id = 0;
+  return State().ChangeProcessSet(SetChange::kAdd, ranks, id, interrupted);
+}
+Status RemoveProcessSet(int32_t id, const Interrupted& interrupted) {
+  return State().ChangeProcessSet(SetChange::kRemove, {}, &id, interrupted);
 }
 std::vector<std::pair<int32_t, std::vector<int>>> ProcessSets() {
   return State().process_sets();

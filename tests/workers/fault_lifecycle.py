@@ -5,8 +5,8 @@
 - shutdown() then init() on that other communicator forms the new group;
 - a process forked after init(): its collectives fail at once saying so (they used to hang), and
   its shutdown() returns at once, leaving the parent's background thread and connections alone;
-- Ctrl-C while waiting in a collective raises KeyboardInterrupt at once and shuts this rank's
-  runtime down; the other rank's pending collective fails naming it.
+- Ctrl-C while waiting in a collective or in join() raises KeyboardInterrupt at once and shuts
+  this rank's runtime down; the other rank's collectives fail naming it.
 
 Each rank prints `[rank R] lifecycle OK` at the end.
 """
@@ -112,12 +112,45 @@ def check_ctrl_c_interrupts_a_wait(rank: int) -> None:
     _core.shutdown()
 
 
+def check_ctrl_c_interrupts_join(rank: int) -> None:
+    """Rank 0 waits in join(); rank 1 sees it joined (its allreduce ran without rank 0's data)
+    and sends rank 0 Ctrl-C: KeyboardInterrupt at once, rank 0 shuts down, and rank 1's next
+    collective fails naming it."""
+    pids = MPI.COMM_WORLD.allgather(os.getpid())
+    basics.init()
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            _core.join()
+        except KeyboardInterrupt:
+            print(f"[rank 0] join interrupted after {time.monotonic() - start:.1f} s", flush=True)
+        else:
+            fail(rank, "join() completed without rank 1")
+    else:
+        deadline = time.monotonic() + CHILD_DEADLINE_SECS
+        while not _core.take_peer_joined():
+            _core.allreduce(np.ones(2), f"join.probe.{time.monotonic()}", op=1)
+            if time.monotonic() > deadline:
+                fail(rank, "rank 0 never joined")
+        os.kill(pids[0], signal.SIGINT)
+        # Rank 0 is joined: the probes run without its data until its shutdown ends them.
+        try:
+            while time.monotonic() < deadline:
+                _core.allreduce(np.ones(2), f"join.probe.{time.monotonic()}", op=1)
+            fail(rank, "rank 0 never shut down after its Ctrl-C")
+        except RuntimeError as exc:
+            print(f"[rank 1] after rank 0's Ctrl-C in join(): {exc}", flush=True)
+    _core.shutdown()
+
+
 def main() -> None:
     rank = MPI.COMM_WORLD.Get_rank()
     check_init_with_another_communicator(rank)
     check_fork_after_init(rank)
     MPI.COMM_WORLD.Barrier()  # both ranks' runtimes are down before the next group forms
     check_ctrl_c_interrupts_a_wait(rank)
+    MPI.COMM_WORLD.Barrier()
+    check_ctrl_c_interrupts_join(rank)
     print(f"[rank {rank}] lifecycle OK", flush=True)
 
 
