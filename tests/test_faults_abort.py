@@ -64,7 +64,7 @@ def test_mpi_rank_frozen_in_the_settings_agreement_is_named_within_the_stall_lim
 
 
 def test_mpi_rank_that_never_calls_init_fails_the_others_within_the_start_timeout(tmp_path):
-    out = run_ranks(2, WORKER, tmp_path, "never-init", timeout=90, expect_failure=True,
+    out = run_ranks(2, WORKER, tmp_path, "never-init", timeout=60, expect_failure=True,
                     env={"PERSEUS_START_TIMEOUT": "4"}).stdout
     # Open MPI's MPI_Init_thread itself waits for every rank: a watchdog ends rank 0.
     assert re.search(r"perseus_legacy: not every rank reached init\(\) within "

@@ -34,6 +34,8 @@ def _comm_handle(comm: Any) -> int:
         raise ValueError("init(comm=...) takes an mpi4py communicator, not a list of ranks")
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"init(comm=...) expects an mpi4py MPI.Comm, got {type(comm).__name__}")
+    if comm == MPI.COMM_WORLD:
+        return 0  # the same group as init() without comm: a second init() is then a no-op
     return int(MPI._handleof(comm))
 
 

@@ -7,8 +7,8 @@
     fault_abort.py DIR init        init() only: PERSEUS_DEBUG_FAULT=stop-at-agreement@1 or a
                                    disagreeing setting; every rank that returns from init()
                                    prints `[rank R] INIT_FAILED after S s: <error>`.
-    fault_abort.py DIR never-init  rank 1 stops itself (SIGSTOP) before init(); rank 0's init()
-                                   must fail within PERSEUS_START_TIMEOUT.
+    fault_abort.py DIR never-init  rank 1 waits for a signal instead of calling init(); rank 0's
+                                   init() must fail within PERSEUS_START_TIMEOUT.
     fault_abort.py DIR mismatch    rank 1 sets PERSEUS_CACHE_CAPACITY=0 and
                                    PERSEUS_FUSION_THRESHOLD=4096 before init(), then as `init`.
 
@@ -84,8 +84,8 @@ def main() -> None:
         collective(out_dir)
         return
     if mode == "never-init" and launcher_rank() == 1:
-        print("[rank 1] stopping before init()", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        print("[rank 1] waiting for a signal instead of calling init()", flush=True)
+        signal.pause()  # the launcher's SIGTERM ends it
     if mode == "mismatch" and launcher_rank() == 1:
         os.environ["PERSEUS_CACHE_CAPACITY"] = "0"
         os.environ["PERSEUS_FUSION_THRESHOLD"] = "4096"

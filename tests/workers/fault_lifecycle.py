@@ -32,6 +32,7 @@ def check_init_with_another_communicator(rank: int) -> None:
     comm = MPI.COMM_WORLD.Dup()
     basics.init()
     basics.init()  # the same group again: nothing happens
+    basics.init(comm=MPI.COMM_WORLD)  # the same group, named
     try:
         _core.init(MPI._handleof(comm))
     except RuntimeError as exc:
