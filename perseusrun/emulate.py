@@ -27,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ SUBNET_PREFIX = "10.77"  # host i of a job is 10.77.N.(i + 1); the launch side i
 LAUNCH_HOST = 254
 MAX_HOSTS = 64
 COMMAND_TIMEOUT = 30.0
+# How long a launcher waits for another one's setup or removal of emulated hosts (each of their
+# commands is bounded by COMMAND_TIMEOUT), and how often it looks.
+LOCK_TIMEOUT = 120.0
+LOCK_POLL = 0.05
 TAG_PREFIX = "pl"
 # pl<pid>x<k> followed by h<i> (namespace), v<i> (veth, launch side) or br (bridge).
 _NAME = re.compile(rf"^({TAG_PREFIX}(\d+)x\d+)(h\d+|v\d+|br)$")
@@ -143,10 +148,28 @@ def _state_dir() -> Path:
 
 
 @contextlib.contextmanager
-def _locked(state: Path) -> Iterator[None]:
-    """Serialises setup and removal between launchers (subnets, stale tags)."""
-    with open(state / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+def _locked(state: Path, timeout: float = LOCK_TIMEOUT) -> Iterator[None]:
+    """Serialises setup and removal between launchers (subnets, stale tags). An EmulationError
+    naming the holder's pid when another launcher holds the lock for `timeout` seconds."""
+    with open(state / "lock", "a+") as lock:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    lock.seek(0)
+                    holder = lock.read().strip() or "unknown"
+                    raise EmulationError(
+                        f"another launcher (pid {holder}) has held {state / 'lock'} for "
+                        f"{timeout:.0f} s while setting up or removing emulated hosts; "
+                        "stop it, or remove the lock if that process is gone") from None
+                time.sleep(LOCK_POLL)
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
         yield
 
 
@@ -299,21 +322,27 @@ def emulated_hosts(count: int, link_rate: str | None = None) -> Iterator[Emulate
             hosts = _build(tag, count, link_rate, state)
         yield hosts
     finally:
-        previous = _ignore_stop_signals()
+        previous, deferred = _defer_stop_signals()
         try:
             with _locked(state):
                 remove_tag(tag, state)
         finally:
-            _restore(previous)
+            _restore(previous, deferred)
 
 
-def _ignore_stop_signals() -> dict:
+def _defer_stop_signals() -> tuple[dict, list[int]]:
+    """While the hosts are removed (bounded: the lock and every command have a timeout), a stop
+    signal is recorded instead of interrupting the removal; _restore delivers it afterwards."""
+    deferred: list[int] = []
     try:
-        return {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        return {s: signal.signal(s, lambda signum, _frame: deferred.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}, deferred
     except ValueError:  # not the main thread: signals stay as they are
-        return {}
+        return {}, deferred
 
 
-def _restore(previous: dict) -> None:
+def _restore(previous: dict, deferred: list[int]) -> None:
     for signum, handler in previous.items():
         signal.signal(signum, handler)
+    if deferred:
+        signal.raise_signal(deferred[0])

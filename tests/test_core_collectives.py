@@ -73,7 +73,29 @@ def test_killed_rank_ends_the_job_nonzero_within_30_seconds(controller):
     assert killed, result.stdout
     assert "UNEXPECTED" not in result.stdout, result.stdout
     assert ended - float(killed.group(1)) < 30, result.stdout
+    assert_killed_rank_named(result.stdout, controller, survivor=0, killed=1)
 
 
-def test_init_again_after_shutdown_and_stall_shutdown(errors_run):
+def assert_killed_rank_named(out: str, controller: str, survivor: int, killed: int) -> None:
+    """TCP: the survivor's own error names the killed rank (its closed connection), not only the
+    launcher, which ends the job anyway. MPI: mpirun kills the survivors at once, before they can
+    notice; its own report must name the killed rank and the signal."""
+    if controller == "tcp":
+        assert re.search(rf'RuntimeError: perseus_legacy: "never" failed: communication failed on '
+                         rf'rank {survivor} .*rank {killed} \(127\.0\.0\.1:\d+\) closed its '
+                         rf'connection \(the process exited or was killed\)', out), out
+    else:
+        assert re.search(rf"process rank {killed} with PID \d+ on node \S+ exited on\s+signal 9",
+                         out), out
+
+
+def test_init_again_after_shutdown_and_stall_shutdown(errors_run, request):
     assert "[rank 0] stall shutdown: got the expected error" in errors_run, errors_run
+    # The second group itself, as each rank saw it: on MPI the sub-communicators {0, 2} and {1},
+    # on TCP the same three ranks again.
+    mpi = "[mpi]" in request.node.name
+    for rank in range(3):
+        size, sub_rank = ((2 if rank % 2 == 0 else 1), rank // 2) if mpi else (3, rank)
+        total = (2 if rank % 2 == 0 else 1) if mpi else 3
+        assert f"[rank {rank}] init again: rank {sub_rank} of {size}, sum [{total}, {total}]" \
+            in errors_run, errors_run

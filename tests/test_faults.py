@@ -76,6 +76,15 @@ def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_
     assert "aborting the MPI job" in out, out  # not MPI_Finalize, which waits for rank 1
 
 
+def test_mpi_frozen_rank_0_fails_the_others_within_the_bound_naming_it():
+    """The coordinator itself frozen: the other ranks wait on its answer, and name it."""
+    code, out = run_perseusrun(["-np", "2"], [WORKER, "stop", "0"], MPI_LIMITS)
+    assert code != 0, out
+    secs = assert_fault_named(out, 1, 0, MPI_BOUND_SECS, "(host ")
+    assert secs >= MPI_BOUND_SECS - 1, secs
+    assert "aborting the MPI job" in out, out
+
+
 def cut_host(out: str) -> str:
     """The host of rank 1 (the second emulated host) named in the survivors' errors."""
     host = re.search(r"rank 1 \(host (\S+)\)", out)
@@ -230,3 +239,30 @@ def test_chief_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest_
     assert_whole_checkpoints(tf, model_dir, list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)),
                              expected)
     assert f"{half_written}_temp" not in os.listdir(model_dir)  # the new save replaced it
+
+
+@needs_emulation
+def test_disk_full_in_a_checkpoint_save_fails_every_rank_clearly_and_keeps_the_last_whole_one(
+        tmp_path, checkpoint_worker):
+    """A TF_CONFIG chief and worker on 2 hosts: rank 0's model_dir is a 512 KiB tmpfs, which it
+    fills after step 5. Its save of step 6 fails saying the device has no space left; the worker
+    fails at once naming rank 0; `checkpoint` still names steps 0 and 3, both whole."""
+    worker, tf = checkpoint_worker
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(model_dir)],
+                   check=True, timeout=30)
+    try:
+        codes, out = run_tf_config_job(tmp_path, "disk_full")
+        assert codes == [1, 1], out
+        assert "[rank 0] FAULT disk full after" in out, out
+        seen = re.search(r"\[rank 0\] FAULT_SEEN after [\d.]+ s: (.*)", out)
+        assert seen and "No space left on device" in seen.group(1), out
+        # Rank 0 leaves through its shutdown at exit: the worker is told so at once.
+        assert_fault_named(out, 1, 0, TCP_CLOSED_BOUND_SECS, None, what="shut down")
+        (model_dir / "filler").unlink()
+        expected = trajectory(worker)
+        assert_whole_checkpoints(tf, model_dir, list(range(0, worker.SAVE_FAULT_STEP,
+                                                            worker.EVERY)), expected)
+    finally:
+        subprocess.run(["umount", str(model_dir)], check=True, timeout=30)

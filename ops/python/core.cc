@@ -1,11 +1,12 @@
 // pybind11 module perseus_legacy._core: the runtime's process-group calls and numpy collectives.
 // Collectives release the GIL while they wait, so other Python threads (and other ranks'
-// submission orders) are never blocked by one waiting call.
+// submission orders) are never blocked by one waiting call; Ctrl-C interrupts the wait.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -35,12 +36,29 @@ class Completion {
     statuses_[index] = status;
     if (--remaining_ == 0) cv_.notify_all();
   }
-  // The first error in request order, or OK.
-  Status Wait() {
+  // The first error in request order, or OK. Called without the GIL. Every kSignalCheck it
+  // takes the GIL to run Python's signal handlers: when one raises (Ctrl-C: KeyboardInterrupt),
+  // this rank shuts its runtime down, so that nothing writes into the buffers any more (the
+  // other ranks fail naming it), and `*interrupted` is set with the exception pending.
+  Status Wait(bool* interrupted) {
     // No spinning here: with ranks sharing cores, a polling waiter measurably slowed 1 MiB
     // allreduces (it competes with the MPI progress of its own and the other ranks).
+    constexpr auto kSignalCheck = std::chrono::milliseconds(100);
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait(lock, [this] { return remaining_ == 0; });
+    while (!cv_.wait_for(lock, kSignalCheck, [this] { return remaining_ == 0; })) {
+      lock.unlock();
+      bool raised;
+      {
+        py::gil_scoped_acquire acquire;
+        raised = PyErr_CheckSignals() != 0;
+      }
+      if (raised) {
+        *interrupted = true;
+        Shutdown();  // fails what is pending: the wait below ends at once
+      }
+      lock.lock();
+      if (raised) cv_.wait(lock, [this] { return remaining_ == 0; });
+    }
     for (const Status& s : statuses_) {
       if (!s.ok()) return s;
     }
@@ -136,6 +154,7 @@ py::array ToArray(const py::dtype& dtype, GrownOutput& out) {
 // outlive them); raises the first error in request order.
 void SubmitAndWait(std::vector<CollectiveRequest> requests) {
   Status status;
+  bool interrupted = false;
   {
     py::gil_scoped_release release;
     auto completion = std::make_shared<Completion>(requests.size());
@@ -146,8 +165,9 @@ void SubmitAndWait(std::vector<CollectiveRequest> requests) {
     for (size_t i = 0; i < admitted.size(); ++i) {
       if (!admitted[i].ok()) completion->Set(i, admitted[i]);  // refused: done never runs
     }
-    status = completion->Wait();
+    status = completion->Wait(&interrupted);
   }
+  if (interrupted) throw py::error_already_set();
   if (!status.ok()) throw std::runtime_error(status.message());
 }
 
@@ -275,6 +295,26 @@ py::tuple Alltoall(const py::object& value, const std::string& name,
   return py::make_tuple(ToArray(input.dtype(), *out), received_splits);
 }
 
+// Runs `call` (given an Interrupted, runtime.h) without the GIL, letting Python's signal
+// handlers run every 100 ms meanwhile. When one raises (Ctrl-C), this rank shuts its runtime
+// down (the other ranks fail naming it) and the exception propagates.
+template <typename Call>
+Status WaitInterruptibly(Call call) {
+  bool raised = false;
+  Status s;
+  {
+    py::gil_scoped_release release;
+    s = call([&raised] {
+      py::gil_scoped_acquire acquire;
+      raised = PyErr_CheckSignals() != 0;
+      return raised;
+    });
+    if (raised) Shutdown();
+  }
+  if (raised) throw py::error_already_set();
+  return s;
+}
+
 // Init of the transport `name`, without the GIL (it waits for every rank); raises its error.
 void InitOrRaise(const std::string& name, const TransportOptions& options) {
   Status s;
@@ -311,13 +351,15 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "init",
-      [](intptr_t comm_handle) {
+      [](intptr_t comm_handle, double start_timeout) {
         TransportOptions options;
         options.mpi_comm_handle = comm_handle;
+        options.mpi_start_timeout_secs = start_timeout;
         InitOrRaise("mpi", options);
       },
-      py::arg("comm_handle") = 0,
-      "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given.");
+      py::arg("comm_handle") = 0, py::arg("start_timeout") = 120.0,
+      "Joins the process group (collective): MPI_COMM_WORLD, or the MPI_Comm handle given; "
+      "each step of the set-up waits at most `start_timeout` seconds for the other ranks.");
   m.def(
       "init_tcp",
       [](int rank, std::vector<std::string> addresses, int local_rank, int local_size,
@@ -380,11 +422,8 @@ PYBIND11_MODULE(_core, m) {
       [] {
         RequireInitialized("join");
         int last_joined_rank = -1;
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = Join(&last_joined_rank);
-        }
+        const Status s = WaitInterruptibly(
+            [&](const Interrupted& interrupted) { return Join(&last_joined_rank, interrupted); });
         if (!s.ok()) throw std::runtime_error(s.message());
         return last_joined_rank;
       },
@@ -432,11 +471,8 @@ PYBIND11_MODULE(_core, m) {
       [](const std::vector<int>& ranks) {
         RequireInitialized("add_process_set");
         int32_t id = 0;
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = AddProcessSet(ranks, &id);
-        }
+        const Status s = WaitInterruptibly(
+            [&](const Interrupted& interrupted) { return AddProcessSet(ranks, &id, interrupted); });
         if (!s.ok()) throw py::value_error(s.message());
         return id;
       },
@@ -446,11 +482,8 @@ PYBIND11_MODULE(_core, m) {
       "remove_process_set",
       [](int32_t id) {
         RequireInitialized("remove_process_set");
-        Status s;
-        {
-          py::gil_scoped_release release;
-          s = RemoveProcessSet(id);
-        }
+        const Status s = WaitInterruptibly(
+            [&](const Interrupted& interrupted) { return RemoveProcessSet(id, interrupted); });
         if (!s.ok()) throw py::value_error(s.message());
       },
       py::arg("process_set_id"),

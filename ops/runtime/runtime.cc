@@ -9,12 +9,16 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <csignal>
 #include <cstdio>
+#include <exception>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <pthread.h>
+#include <stdexcept>
 #include <thread>
 
 #include "runtime/fusion.h"
@@ -36,47 +40,71 @@ namespace {
 // coordinator's stall checks never wait on a rank that has nothing to submit.
 constexpr auto kHeartbeat = std::chrono::seconds(1);
 
-// Settings that change which transfers a collective makes must be the same on every rank, or
-// the ranks would wait on transfers the others never make: an error on every rank otherwise.
+// Settings that change which transfers a collective makes, or how the ranks' negotiation
+// messages line up, must be the same on every rank, or the ranks would wait on transfers the
+// others never make: PERSEUS_FUSION_THRESHOLD (each rank fuses the cache's answers itself),
+// PERSEUS_CACHE_CAPACITY (the cache's bit vectors and positions) and
+// PERSEUS_HIERARCHICAL_ALLREDUCE. Each setting's value as this rank has it, by name.
+std::vector<std::pair<std::string, std::string>> SettingsThatMustAgree(const Settings& settings) {
+  return {{"PERSEUS_FUSION_THRESHOLD", std::to_string(settings.fusion_threshold_bytes)},
+          {"PERSEUS_CACHE_CAPACITY", std::to_string(settings.cache_capacity)},
+          {"PERSEUS_HIERARCHICAL_ALLREDUCE", HierarchicalName(settings.hierarchical)}};
+}
+
+// Rank 0 gathers every rank's settings that must agree (over the control plane, whose waits name
+// a rank that does not answer) and answers with the verdict, the same text for every rank: empty,
+// or an error naming each setting that differs and its value on each rank.
 Status AgreeOnSettings(Controller* controller, const Settings& settings) {
-  const int size = controller->size();
-  const uint8_t mine = static_cast<uint8_t>(settings.hierarchical);
-  std::vector<uint8_t> all(static_cast<size_t>(size));
-  Status s = controller->Allgatherv(&mine, all.data(), std::vector<int64_t>(size, 1), 1);
+  const auto mine = SettingsThatMustAgree(settings);
+  std::string values;
+  for (const auto& [name, value] : mine) values += value + '\n';
+  std::vector<std::string> all;
+  Status s = controller->GatherToCoordinator(values, &all);
   if (!s.ok()) return s;
-  std::string differ;
-  for (int r = 0; r < size; ++r) {
-    if (all[r] == all[0]) continue;
-    differ += ", rank " + std::to_string(r) + " has " +
-              HierarchicalName(static_cast<Hierarchical>(all[r]));
+  std::string verdict;
+  if (controller->rank() == 0) {
+    std::vector<std::vector<std::string>> by_rank;
+    for (const std::string& text : all) {
+      by_rank.emplace_back();
+      size_t start = 0;
+      for (size_t end; (end = text.find('\n', start)) != std::string::npos; start = end + 1) {
+        by_rank.back().push_back(text.substr(start, end - start));
+      }
+      by_rank.back().resize(mine.size(), "?");
+    }
+    for (size_t i = 0; i < mine.size(); ++i) {
+      std::string differ;
+      for (size_t r = 1; r < by_rank.size(); ++r) {
+        if (by_rank[r][i] != by_rank[0][i]) {
+          differ += ", rank " + std::to_string(r) + " has " + by_rank[r][i];
+        }
+      }
+      if (differ.empty()) continue;
+      verdict += (verdict.empty() ? "" : "; ") + mine[i].first +
+                 " differs between ranks: rank 0 has " + by_rank[0][i] + differ;
+      if (mine[i].first == "PERSEUS_HIERARCHICAL_ALLREDUCE") verdict += " (unset is auto)";
+    }
+    if (!verdict.empty()) {
+      verdict = "perseus_legacy: " + verdict + "; give every rank the same value";
+    }
   }
-  if (differ.empty()) return Status::OK();
-  // Every rank fails alike; none leaves before all have their data, or its closing connections
-  // would fail the others' allgather with a lost peer instead of this error.
-  static_cast<void>(controller->Barrier());
-  return Status::Error(std::string("perseus_legacy: PERSEUS_HIERARCHICAL_ALLREDUCE differs "
-                                   "between ranks: rank 0 has ") +
-                       HierarchicalName(static_cast<Hierarchical>(all[0])) + differ +
-                       " (unset is auto); give every rank the same value");
+  s = controller->BroadcastFromCoordinator(&verdict);
+  if (!s.ok()) return s;
+  return verdict.empty() ? Status::OK() : Status::Error(verdict);
 }
 
 class Runtime {
  public:
-  ~Runtime() {
-    // Reached at process exit without shutdown(): the thread may still be inside the transport,
-    // so leave it and the controller alone rather than tear them down under it.
-    if (thread_.joinable()) {
-      thread_.detach();
-      for (auto& [id, set] : set_controllers_) static_cast<void>(set.release());
-      static_cast<void>(controller_.release());
-    }
-  }
-
   Status Init(const std::string& transport, const TransportOptions& options);
   void Shutdown();
+  // In the child of a fork(): the background thread and the connections stayed with the parent.
+  void AfterFork() {
+    if (initialized_) forked_ = true;
+  }
   std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests);
-  Status Join(int* last_joined_rank);
-  Status ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id);
+  Status Join(int* last_joined_rank, const Interrupted& interrupted);
+  Status ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id,
+                          const Interrupted& interrupted);
   std::vector<std::pair<int32_t, std::vector<int>>> process_sets();
   bool TakePeerJoined() { return peer_joined_.exchange(false); }
 
@@ -106,7 +134,19 @@ class Runtime {
   // rank has nobody to negotiate with, and waking the background thread for a copy costs more
   // than the copy (under mu_).
   bool ShortCut(const CollectiveRequest& request) const;
+  // Under init_mu_: stops the background thread and tears the group down.
+  void ShutdownLocked();
+  // An error unless this process is the one that called init() (not a forked child).
+  Status CheckNotForked(const char* what) const;
+  // The background thread: LoopRounds, and any exception it throws becomes Fatal.
   void Loop();
+  void LoopRounds();
+  // This rank cannot go on (an internal error, an exception): every pending and later request
+  // fails with `reason`, and the other ranks are told it at once (Controller::Abort).
+  void Fatal(const std::string& reason);
+  bool DebugFaultHere(DebugFault kind) const {
+    return settings_.debug_fault == kind && settings_.debug_fault_rank == rank_.load();
+  }
   bool RunRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed);
   // The response cache's part of a round; `*full`: a round through the coordinator must follow.
   bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
@@ -124,12 +164,21 @@ class Runtime {
   Status CheckProcessSet(const CollectiveRequest& request) const;
   void Stop(const std::string& reason, const MessageFor& message_for);
   void Log(const std::string& text) const;
+  // Waits on `cv` (with `lock` on mu_) until `done`, asking `interrupted` (unlocked) every
+  // 100 ms; false when it said to stop.
+  bool WaitUnlessInterrupted(std::unique_lock<std::mutex>& lock, std::condition_variable& cv,
+                             const std::function<bool()>& done, const Interrupted& interrupted);
   // The timeline's QUEUED and NEGOTIATE events of this rank's `entries` of `response`.
   void RecordNegotiation(const Response& response, const std::vector<CollectiveRequest*>& entries,
                          bool from_cache);
 
   std::mutex init_mu_;  // serializes Init and Shutdown
   std::atomic<bool> initialized_{false};
+  // Which group the current Init formed (its transport and options), so that an Init with a
+  // different one is an error rather than a silent no-op.
+  std::string group_;
+  std::atomic<bool> forked_{false};
+  std::atomic<std::thread::id> loop_id_{};  // the background thread's, while one runs
   std::atomic<int> rank_{-1}, size_{-1}, local_rank_{-1}, local_size_{-1};
   std::atomic<int> cross_rank_{-1}, cross_size_{-1};
   std::atomic<bool> threads_supported_{false};
@@ -178,14 +227,47 @@ class Runtime {
   int64_t round_start_us_ = 0;  // while a timeline runs: when the current round started
 };
 
+// Never destroyed: a background thread still running at exit (no shutdown()) keeps using it.
 Runtime& State() {
-  static Runtime state;
+  static Runtime& state = *new Runtime();
   return state;
 }
 
+// Which group Init with these arguments forms, in words.
+std::string GroupName(const std::string& transport, const TransportOptions& options) {
+  if (transport == "mpi") {
+    return options.mpi_comm_handle == 0
+               ? "MPI_COMM_WORLD"
+               : "the MPI communicator " + std::to_string(options.mpi_comm_handle);
+  }
+  std::string addresses;
+  for (const std::string& a : options.tcp.addresses) addresses += (addresses.empty() ? "" : ",") + a;
+  return transport + " rank " + std::to_string(options.tcp.rank) + " of " + addresses;
+}
+
 Status Runtime::Init(const std::string& name, const TransportOptions& options) {
+  // Before any lock: a forked child may have inherited it locked by a thread it does not have.
+  Status s = CheckNotForked("init()");
+  if (!s.ok()) return s;
   std::lock_guard<std::mutex> init_lock(init_mu_);
-  if (initialized_) return Status::OK();
+  const std::string group = GroupName(name, options);
+  if (initialized_) {
+    bool stopping;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping = shutdown_requested_;
+    }
+    if (!stopping) {
+      if (group == group_) return Status::OK();
+      return Status::Error("perseus_legacy: init() was already called for " + group_ +
+                           " on rank " + std::to_string(rank_) + "; this call asks for " + group +
+                           ": call shutdown() first to form another group");
+    }
+    // shutdown() from a done callback only asked the thread to stop: finish it, then start anew.
+    ShutdownLocked();
+  }
+  static const int at_fork = pthread_atfork(nullptr, nullptr, [] { State().AfterFork(); });
+  static_cast<void>(at_fork);
   const Transport* transport = FindTransport(name);
   if (transport == nullptr) {
     std::string known;
@@ -197,17 +279,24 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
     return Status::Error("perseus_legacy: this build has no " + transport->label + " transport");
   }
   Settings settings;
-  Status s = ReadSettings(&settings);
+  s = ReadSettings(&settings);
   if (!s.ok()) return s;
   std::unique_ptr<Controller> controller;
   s = transport->create(options, &controller);
-  if (s.ok()) s = AgreeOnSettings(controller.get(), settings);
+  if (!s.ok()) return s;
+  // Before the agreement, so that a rank lost during it fails the others within the limits.
+  controller->SetWaitLimits(settings.stall_warning_secs, settings.stall_shutdown_secs);
+  if (settings.debug_fault == DebugFault::kStopAtAgreement &&
+      settings.debug_fault_rank == controller->rank()) {
+    std::raise(SIGSTOP);
+  }
+  s = AgreeOnSettings(controller.get(), settings);
   if (!s.ok()) return s;
 
   settings_ = settings;
+  group_ = group;
   peer_joined_ = false;
   controller_ = std::move(controller);
-  controller_->SetWaitLimits(settings_.stall_warning_secs, settings_.stall_shutdown_secs);
   transport_ = transport;
   rank_ = controller_->rank();
   size_ = controller_->size();
@@ -253,19 +342,39 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   }
   set_controllers_.clear();
   thread_ = std::thread(&Runtime::Loop, this);
+  loop_id_ = thread_.get_id();
   initialized_ = true;
   return Status::OK();
 }
 
+Status Runtime::CheckNotForked(const char* what) const {
+  if (!forked_) return Status::OK();
+  return Status::Error(std::string("perseus_legacy: ") + what + " in a process forked after "
+                       "init(): the runtime's background thread and connections stay with the "
+                       "parent (rank " + std::to_string(rank_.load()) + "); run collectives in "
+                       "the parent, or start the child fresh (multiprocessing's \"spawn\" or "
+                       "\"forkserver\") and init() there");
+}
+
 void Runtime::Shutdown() {
-  if (std::this_thread::get_id() == thread_.get_id()) {
+  if (std::this_thread::get_id() == loop_id_.load()) {
     // Called from a done callback: the thread cannot join itself. Ask it to stop; the next
-    // Shutdown() from another thread (at the latest the one at exit) finishes the job.
+    // Shutdown() or Init() from another thread (at the latest the shutdown at exit) finishes.
     std::lock_guard<std::mutex> lock(mu_);
     shutdown_requested_ = true;
+    cv_.notify_all();
+    return;
+  }
+  if (forked_) {
+    // The thread and the connections are the parent's: leave them alone (closing a socket
+    // here would end the parent's connection too).
     return;
   }
   std::lock_guard<std::mutex> init_lock(init_mu_);
+  ShutdownLocked();
+}
+
+void Runtime::ShutdownLocked() {
   if (!initialized_) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -273,6 +382,7 @@ void Runtime::Shutdown() {
   }
   cv_.notify_all();
   thread_.join();
+  loop_id_ = std::thread::id();
   timeline_.Stop();
   initialized_ = false;
   for (auto* value : {&rank_, &size_, &local_rank_, &local_size_, &cross_rank_, &cross_size_}) {
@@ -334,8 +444,27 @@ std::vector<std::pair<int32_t, std::vector<int>>> Runtime::process_sets() {
   return {sets_.begin(), sets_.end()};
 }
 
-Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id) {
+bool Runtime::WaitUnlessInterrupted(std::unique_lock<std::mutex>& lock,
+                                    std::condition_variable& cv,
+                                    const std::function<bool()>& done,
+                                    const Interrupted& interrupted) {
+  if (!interrupted) {
+    cv.wait(lock, done);
+    return true;
+  }
+  while (!cv.wait_for(lock, std::chrono::milliseconds(100), done)) {
+    lock.unlock();
+    const bool stop = interrupted();
+    lock.lock();
+    if (stop) return false;
+  }
+  return true;
+}
+
+Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, int32_t* id,
+                                 const Interrupted& interrupted) {
   const char* what = kind == SetChange::kAdd ? "add_process_set()" : "remove_process_set()";
+  if (forked_) return CheckNotForked(what);  // before the locks, as in Init
   std::lock_guard<std::mutex> one_at_a_time(set_change_mu_);
   std::unique_lock<std::mutex> lock(mu_);
   if (!initialized_) {
@@ -354,7 +483,12 @@ Status Runtime::ChangeProcessSet(SetChange kind, const std::vector<int>& ranks, 
   set_change_id_ = *id;
   set_change_state_ = JoinState::kRequested;
   cv_.notify_one();
-  set_change_cv_.wait(lock, [this] { return set_change_state_ == JoinState::kDone; });
+  if (!WaitUnlessInterrupted(
+          lock, set_change_cv_, [this] { return set_change_state_ == JoinState::kDone; },
+          interrupted)) {
+    return Status::Error(std::string("perseus_legacy: ") + what + " interrupted on rank " +
+                         std::to_string(rank_));
+  }
   set_change_state_ = JoinState::kIdle;
   *id = set_change_id_;
   return set_change_status_;
@@ -402,6 +536,12 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
   bool admitted = false;
   std::vector<CollectiveRequest*> short_cut;
   const int64_t now_us = timeline_.enabled() ? Timeline::NowMicros() : 0;
+  if (forked_) {  // before the lock, as in Init
+    for (CollectiveRequest& request : requests) {
+      statuses.push_back(CheckNotForked(Quoted(request.type, request.name).c_str()));
+    }
+    return statuses;
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (CollectiveRequest& request : requests) {
@@ -433,7 +573,8 @@ std::vector<Status> Runtime::EnqueueAll(std::vector<CollectiveRequest> requests)
   return statuses;
 }
 
-Status Runtime::Join(int* last_joined_rank) {
+Status Runtime::Join(int* last_joined_rank, const Interrupted& interrupted) {
+  if (forked_) return CheckNotForked("join()");  // before the lock, as in Init
   std::unique_lock<std::mutex> lock(mu_);
   const std::string on_rank = " on rank " + std::to_string(rank_);
   if (!initialized_) {
@@ -451,7 +592,10 @@ Status Runtime::Join(int* last_joined_rank) {
   }
   join_state_ = JoinState::kRequested;
   cv_.notify_one();
-  join_cv_.wait(lock, [this] { return join_state_ == JoinState::kDone; });
+  if (!WaitUnlessInterrupted(
+          lock, join_cv_, [this] { return join_state_ == JoinState::kDone; }, interrupted)) {
+    return Status::Error("perseus_legacy: join() interrupted" + on_rank);
+  }
   join_state_ = JoinState::kIdle;
   *last_joined_rank = join_last_;
   return join_status_;
@@ -470,6 +614,30 @@ void Runtime::FinishJoin(const Status& status, int last_joined_rank) {
 }
 
 void Runtime::Loop() {
+  try {
+    LoopRounds();
+  } catch (const std::exception& e) {
+    Fatal("rank " + std::to_string(rank_) + " failed: an exception on its background thread: " +
+          e.what());
+  } catch (...) {
+    Fatal("rank " + std::to_string(rank_) + " failed: an unknown exception on its background "
+          "thread");
+  }
+}
+
+void Runtime::Fatal(const std::string& reason) {
+  Log(reason);
+  try {
+    controller_->Abort("perseus_legacy: " + reason);
+  } catch (...) {
+    Log("could not tell the other ranks (a second exception while sending the notice)");
+  }
+  Stop(reason, [&](const std::string& name) {
+    return "perseus_legacy: \"" + name + "\" failed: " + reason;
+  });
+}
+
+void Runtime::LoopRounds() {
   const auto cycle = std::chrono::duration<double, std::milli>(settings_.cycle_time_ms);
   bool last_round_progressed = false;
   while (true) {
@@ -496,6 +664,14 @@ void Runtime::Loop() {
         }
       }
       fresh = queue_.AnnounceInto(&announced_);
+      if (DebugFaultHere(DebugFault::kException)) {
+        for (const std::string& name : fresh) {
+          if (name.rfind(kDebugFaultPrefix, 0) == 0) {
+            throw std::runtime_error("PERSEUS_DEBUG_FAULT=exception@" + std::to_string(rank_) +
+                                     ": thrown on purpose at \"" + name + "\"");
+          }
+        }
+      }
       // After the announcement, so that every request this round settles was submitted before.
       round_start_us_ = timeline_.enabled() ? Timeline::NowMicros() : 0;
       mine.shutting_down = shutdown_requested_;
@@ -518,6 +694,9 @@ bool Runtime::CommunicationFailed(const Status& s, const char* during) {
   if (s.ok()) return false;
   const std::string reason = "communication failed on rank " + std::to_string(rank_) + during +
                              ": " + s.message();
+  // The transport has told the others already when it lost a peer; a failure of this rank's
+  // own (a malformed message, bit vectors that do not match) they learn only this way.
+  controller_->Abort("perseus_legacy: " + reason);
   Stop(reason, [&](const std::string& name) {
     return "perseus_legacy: \"" + name + "\" failed: " + reason;
   });
@@ -548,6 +727,12 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
       mine->shutting_down || mine->joined || mine->set_change != SetChange::kNone ||
           busy_coordinator,
       joined_);
+  if (DebugFaultHere(DebugFault::kBitVector) &&
+      std::any_of(fresh.begin(), fresh.end(), [](const std::string& name) {
+        return name.rfind(kDebugFaultPrefix, 0) == 0;
+      })) {
+    bits.push_back(~uint64_t{0});
+  }
   if (CommunicationFailed(controller_->AllreduceBitsAnd(&bits), " while negotiating")) {
     return false;
   }
@@ -643,11 +828,13 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   std::vector<CollectiveRequest*> entries;
   for (const std::string& name : response.names) {
     if (without_data) break;
-    auto it = announced_.find(name);
+    const bool lose = DebugFaultHere(DebugFault::kInternal) &&
+                      name.rfind(kDebugFaultPrefix, 0) == 0;
+    auto it = lose ? announced_.end() : announced_.find(name);
     if (it == announced_.end()) {
-      const std::string reason = "internal error: the coordinator scheduled \"" + name +
-                                 "\", which rank " + std::to_string(rank_) + " never submitted";
-      Stop(reason, [&](const std::string&) { return "perseus_legacy: " + reason; });
+      Fatal("internal error on rank " + std::to_string(rank_) +
+            ": the coordinator scheduled \"" + name + "\", which rank " +
+            std::to_string(rank_) + " never submitted");
       return false;
     }
     entries.push_back(&it->second.request);
@@ -658,14 +845,7 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   const Status comm =
       ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
           .Run(response, entries, &op);
-  if (!comm.ok()) {
-    const std::string reason = "communication failed on rank " + std::to_string(rank_) + ": " +
-                               comm.message();
-    Stop(reason, [&](const std::string& name) {
-      return "perseus_legacy: \"" + name + "\" failed: " + reason;
-    });
-    return false;
-  }
+  if (CommunicationFailed(comm, "")) return false;
   if (!from_cache && response.joined_ranks.empty() && response.process_set_id == 0) {
     // Every rank executed it with its own data. Other process sets' collectives always go
     // through the coordinator: the cache's bit vector is an AND over every rank.
@@ -780,13 +960,15 @@ Status Enqueue(CollectiveRequest request) {
 std::vector<Status> EnqueueAll(std::vector<CollectiveRequest> requests) {
   return State().EnqueueAll(std::move(requests));
 }
-Status Join(int* last_joined_rank) { return State().Join(last_joined_rank); }
-Status AddProcessSet(const std::vector<int>& ranks, int32_t* id) {
-  *id = 0;
-  return State().ChangeProcessSet(SetChange::kAdd, ranks, id);
+Status Join(int* last_joined_rank, const Interrupted& interrupted) {
+  return State().Join(last_joined_rank, interrupted);
 }
-Status RemoveProcessSet(int32_t id) {
-  return State().ChangeProcessSet(SetChange::kRemove, {}, &id);
+Status AddProcessSet(const std::vector<int>& ranks, int32_t* id, const Interrupted& interrupted) {
+  *id = 0;
+  return State().ChangeProcessSet(SetChange::kAdd, ranks, id, interrupted);
+}
+Status RemoveProcessSet(int32_t id, const Interrupted& interrupted) {
+  return State().ChangeProcessSet(SetChange::kRemove, {}, &id, interrupted);
 }
 std::vector<std::pair<int32_t, std::vector<int>>> ProcessSets() {
   return State().process_sets();

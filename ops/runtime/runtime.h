@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,7 +56,11 @@ Status Enqueue(CollectiveRequest request);
 // contribution (docs/design.md, "join()"). On success every rank gets the same
 // `last_joined_rank`: the rank whose Join arrived last. Fails, naming the rank, when a rank shuts
 // down or the transport fails, and when a Join is already in progress on this rank.
-Status Join(int* last_joined_rank);
+// `interrupted` (optional) is called every 100 ms while Join waits, without any runtime lock;
+// when it returns true Join returns an error at once (the join stays announced: the caller is
+// expected to shut down). AddProcessSet and RemoveProcessSet take it alike.
+using Interrupted = std::function<bool()>;
+Status Join(int* last_joined_rank, const Interrupted& interrupted = nullptr);
 
 // This process's counters since it started (see stats.h), by name: "tensors_submitted.allreduce",
 // "collectives_executed.allreduce", "fused_groups", "cache_hits", "coordinator_rounds", ...
@@ -79,8 +84,9 @@ bool TakePeerJoined();
 // id 0, holds every rank. AddProcessSet and RemoveProcessSet are collective over every rank, in
 // the same order everywhere, and block until every rank has called them; they fail on every rank,
 // naming the ranks, when the ranks' calls disagree or a rank has joined. Ids are never reused.
-Status AddProcessSet(const std::vector<int>& ranks, int32_t* id);
-Status RemoveProcessSet(int32_t id);
+Status AddProcessSet(const std::vector<int>& ranks, int32_t* id,
+                     const Interrupted& interrupted = nullptr);
+Status RemoveProcessSet(int32_t id, const Interrupted& interrupted = nullptr);
 // Every registered process set (id, its ranks in order), the global set first; empty when not
 // initialized.
 std::vector<std::pair<int32_t, std::vector<int>>> ProcessSets();

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <utility>
 
 namespace perseus {
 namespace {
@@ -62,6 +63,35 @@ Status ReadHierarchical(const char* name, Hierarchical* value) {
   return Invalid(name, text, "one of auto, 0, 1");
 }
 
+Status ReadDebugFault(const char* name, DebugFault* fault, int* rank) {
+  const char* text = Text(name);
+  if (text == nullptr) return Status::OK();
+  const std::string value(text);
+  const size_t at = value.find('@');
+  const std::pair<const char*, DebugFault> kinds[] = {
+      {"internal", DebugFault::kInternal},
+      {"exception", DebugFault::kException},
+      {"bitvector", DebugFault::kBitVector},
+      {"stop-at-agreement", DebugFault::kStopAtAgreement}};
+  const std::string expected =
+      "KIND@RANK with KIND one of internal, exception, bitvector, stop-at-agreement";
+  if (at == std::string::npos || at + 1 >= value.size()) return Invalid(name, text, expected);
+  char* end = nullptr;
+  errno = 0;
+  const long parsed = std::strtol(value.c_str() + at + 1, &end, 10);
+  if (*end != '\0' || errno != 0 || parsed < 0 || parsed > std::numeric_limits<int>::max()) {
+    return Invalid(name, text, expected);
+  }
+  for (const auto& [kind_name, kind] : kinds) {
+    if (value.compare(0, at, kind_name) == 0 && at == std::string(kind_name).size()) {
+      *fault = kind;
+      *rank = static_cast<int>(parsed);
+      return Status::OK();
+    }
+  }
+  return Invalid(name, text, expected);
+}
+
 }  // namespace
 
 const char* HierarchicalName(Hierarchical value) {
@@ -76,6 +106,9 @@ Status ReadSettings(Settings* settings) {
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &settings->stall_shutdown_secs);
   if (s.ok()) s = ReadCount("PERSEUS_CACHE_CAPACITY", &settings->cache_capacity);
   if (s.ok()) s = ReadHierarchical("PERSEUS_HIERARCHICAL_ALLREDUCE", &settings->hierarchical);
+  if (s.ok()) {
+    s = ReadDebugFault("PERSEUS_DEBUG_FAULT", &settings->debug_fault, &settings->debug_fault_rank);
+  }
   if (!s.ok()) return s;
   const char* timeline = Text("PERSEUS_TIMELINE");
   settings->timeline_path = timeline ? timeline : "";

@@ -22,6 +22,18 @@ enum class Hierarchical : uint8_t { kAuto = 0, kNever = 1, kAlways = 2 };
 // The value as the variable spells it: "auto", "0", "1" ("?" for anything else).
 const char* HierarchicalName(Hierarchical value);
 
+// PERSEUS_DEBUG_FAULT=KIND@RANK, for tests of the failure paths only: rank RANK fails on purpose,
+// at its first collective whose name starts with kDebugFaultPrefix (kStopAtAgreement: in init(),
+// just before the settings agreement, with SIGSTOP).
+enum class DebugFault : uint8_t {
+  kNone,
+  kInternal,         // "internal": the runtime's internal-error path (a scheduled unknown name)
+  kException,        // "exception": an exception thrown on the background thread
+  kBitVector,        // "bitvector": a cache bit vector of the wrong length (needs the cache)
+  kStopAtAgreement,  // "stop-at-agreement": the process stops itself (SIGSTOP)
+};
+constexpr const char* kDebugFaultPrefix = "debug_fault";
+
 struct Settings {
   int64_t fusion_threshold_bytes = int64_t{64} << 20;  // PERSEUS_FUSION_THRESHOLD
   double cycle_time_ms = 1.0;                           // PERSEUS_CYCLE_TIME
@@ -36,6 +48,8 @@ struct Settings {
   size_t cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY; 0: no cache
   std::string timeline_path;                            // PERSEUS_TIMELINE; "": none
   Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
+  DebugFault debug_fault = DebugFault::kNone;           // PERSEUS_DEBUG_FAULT
+  int debug_fault_rank = -1;
 };
 
 // This process's settings: each variable that is set and not empty replaces its default. An

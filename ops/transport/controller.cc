@@ -11,8 +11,14 @@ Status Controller::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
   Status s = GatherToCoordinator(mine, &all);
   if (!s.ok()) return s;
   if (rank() == 0) {
-    for (const std::string& other : all) {
-      if (other.size() != mine.size()) return Status::Error("bit vectors of different lengths");
+    for (size_t r = 0; r < all.size(); ++r) {
+      const std::string& other = all[r];
+      if (other.size() != mine.size()) {
+        return Status::Error("bit vectors of different lengths: rank 0 has " +
+                             std::to_string(mine.size()) + " bytes, rank " + std::to_string(r) +
+                             " has " + std::to_string(other.size()) +
+                             " (the response caches are out of step)");
+      }
       for (size_t i = 0; i < bits->size(); ++i) {
         uint64_t word;
         std::memcpy(&word, other.data() + i * sizeof(uint64_t), sizeof(word));

@@ -34,6 +34,11 @@ class Controller {
   // runtime passes PERSEUS_STALL_WARNING_SECS / PERSEUS_STALL_SHUTDOWN_SECS once after set-up.
   // TCP waits for a silent peer at most kPeerSilenceSecs, or `shutdown_secs` when shorter.
   virtual void SetWaitLimits(double /*warning_secs*/, double /*shutdown_secs*/) {}
+  // This rank failed with `reason` (a full error text naming the rank): tell every other rank,
+  // best effort and within a few seconds, so that their pending and later waits fail at once
+  // with this text instead of waiting on this rank until a limit. The controller is unusable
+  // afterwards: every later call returns the reason.
+  virtual void Abort(const std::string& reason) = 0;
 
   // Control plane. Collective: every rank calls each once per negotiation round.
   // `all` receives every rank's bytes on the coordinator (rank 0) and is left empty elsewhere.

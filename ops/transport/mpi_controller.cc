@@ -7,8 +7,11 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 
@@ -27,6 +30,9 @@ constexpr int kOverflowTag = 17;
 constexpr int kSlotTag = 18;
 constexpr int kAnswerTag = 19;
 constexpr int kAnswerOverflowTag = 20;
+constexpr int kNoticeTag = 21;
+// How long Abort waits for its notices to leave (small messages: normally at once).
+constexpr double kNoticeSendSecs = 2.0;
 
 Status Check(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
@@ -108,6 +114,41 @@ class VectorLayout {
   bool derived_ = false;
 };
 
+// MPI_Init_thread has no bound of its own (Open MPI's waits until every rank's process has
+// reached it): while it runs, this watchdog ends the process once `secs` have passed, saying
+// why, and mpirun then ends the job. Destroyed when MPI_Init_thread has returned.
+class InitWatchdog {
+ public:
+  explicit InitWatchdog(double secs)
+      : thread_([this, secs] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (cv_.wait_for(lock, std::chrono::duration<double>(secs), [this] { return done_; })) {
+            return;
+          }
+          std::fprintf(stderr,
+                       "perseus_legacy: not every rank reached init() within "
+                       "PERSEUS_START_TIMEOUT=%s s (MPI_Init_thread did not return): a rank "
+                       "never called init(), is frozen, or has exited; ending this process\n",
+                       NumberString(secs).c_str());
+          std::fflush(stderr);
+          std::_Exit(1);
+        }) {}
+  ~InitWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;  // last: started once the rest is ready
+};
+
 }  // namespace
 
 MpiController::MpiController() {
@@ -119,14 +160,21 @@ MpiController::MpiController() {
 // communicator options.mpi_comm_handle.
 Status CreateMpiController(const TransportOptions& options, std::unique_ptr<Controller>* out) {
   auto controller = std::make_unique<MpiController>();
-  Status s = controller->Setup(options.mpi_comm_handle);
+  Status s = controller->Setup(options.mpi_comm_handle, options.mpi_start_timeout_secs);
   if (s.ok()) *out = std::move(controller);
   return s;
 }
 
 const TransportRegistration kMpi({"mpi", "MPI", /*built=*/true, &CreateMpiController});
 
-Status MpiController::Setup(intptr_t comm_handle) {
+template <typename Start>
+Status MpiController::StartAndWait(Start start, const char* what, WaitFor kind) {
+  std::vector<MPI_Request> request(1, MPI_REQUEST_NULL);
+  Status s = Check(start(request.data()), what);
+  return s.ok() ? Wait(&request, {-1}, what, kind) : s;
+}
+
+Status MpiController::Setup(intptr_t comm_handle, double start_secs) {
   int initialized = 0, finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
@@ -138,8 +186,12 @@ Status MpiController::Setup(intptr_t comm_handle) {
   }
   if (!initialized) {
     int provided = 0;
-    Status s = Check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
-                     "MPI_Init_thread");
+    Status s;
+    {
+      InitWatchdog watchdog(start_secs);
+      s = Check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided),
+                "MPI_Init_thread");
+    }
     if (!s.ok()) return s;
     owns_mpi_ = true;
   }
@@ -155,14 +207,29 @@ Status MpiController::Setup(intptr_t comm_handle) {
   }
 
   MPI_Comm base = comm_handle == 0 ? MPI_COMM_WORLD : CommFromHandle<MPI_Comm>(comm_handle);
-  Status s = Check(MPI_Comm_dup(base, &control_), "MPI_Comm_dup");
-  if (s.ok()) s = Check(MPI_Comm_dup(base, &data_), "MPI_Comm_dup");
+  MPI_Comm_rank(base, &rank_);
+  // Every wait of the set-up on the other ranks is bounded (SetWaitLimits replaces this): the
+  // duplications are nonblocking, so a rank that never calls init() or is frozen in it fails
+  // the others instead of holding them. The splits below stay blocking (MPI has no nonblocking
+  // split), but every rank has just been seen in the duplications.
+  shutdown_secs_ = start_secs;
+  Status s = StartAndWait([&](MPI_Request* r) { return MPI_Comm_idup(base, &control_, r); },
+                          "MPI_Comm_idup", WaitFor::kStart);
+  if (s.ok()) {
+    s = StartAndWait([&](MPI_Request* r) { return MPI_Comm_idup(base, &data_, r); },
+                     "MPI_Comm_idup", WaitFor::kStart);
+  }
   if (!s.ok()) return s;
   // Errors become Status values that fail the pending requests instead of aborting the job.
   MPI_Comm_set_errhandler(control_, MPI_ERRORS_RETURN);
   MPI_Comm_set_errhandler(data_, MPI_ERRORS_RETURN);
   MPI_Comm_rank(control_, &rank_);
   MPI_Comm_size(control_, &size_);
+  notice_in_.resize(kNoticeBytes);
+  s = Check(MPI_Irecv(notice_in_.data(), kNoticeBytes, MPI_BYTE, MPI_ANY_SOURCE, kNoticeTag,
+                      control_, &notice_request_),
+            "MPI_Irecv");
+  if (!s.ok()) return s;
 
   s = Check(MPI_Comm_split_type(control_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &local_),
             "MPI_Comm_split_type");
@@ -192,9 +259,12 @@ Status MpiController::Setup(intptr_t comm_handle) {
   std::vector<char> names(static_cast<size_t>(MPI_MAX_PROCESSOR_NAME) * size_, '\0');
   int name_length = 0;
   MPI_Get_processor_name(name.data(), &name_length);
-  s = Check(MPI_Allgather(name.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(),
-                          MPI_MAX_PROCESSOR_NAME, MPI_CHAR, control_),
-            "MPI_Allgather");
+  s = StartAndWait(
+      [&](MPI_Request* r) {
+        return MPI_Iallgather(name.data(), MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names.data(),
+                              MPI_MAX_PROCESSOR_NAME, MPI_CHAR, control_, r);
+      },
+      "MPI_Iallgather", WaitFor::kStart);
   if (!s.ok()) return s;
   for (int r = 0; r < size_; ++r) {
     const char* host = names.data() + static_cast<size_t>(MPI_MAX_PROCESSOR_NAME) * r;
@@ -205,16 +275,23 @@ Status MpiController::Setup(intptr_t comm_handle) {
   if (rank_ == 0) gather_slots_.resize(kSlotBytes * size_);
   FindHosts();
   s = SetupHierarchy();
-  if (!s.ok()) return s;
-  return Check(MPI_Barrier(control_), "MPI_Barrier");
+  if (s.ok()) {
+    s = StartAndWait([&](MPI_Request* r) { return MPI_Ibarrier(control_, r); }, "MPI_Ibarrier",
+                     WaitFor::kStart);
+  }
+  shutdown_secs_ = 0;
+  return s;
 }
 
 Status MpiController::SetupHierarchy() {
   // Every rank sees every host's rank count, so that all of them decide alike.
   std::vector<int> local_sizes(static_cast<size_t>(size_));
-  Status s = Check(MPI_Allgather(&local_size_, 1, MPI_INT, local_sizes.data(), 1, MPI_INT,
-                                 control_),
-                   "MPI_Allgather");
+  Status s = StartAndWait(
+      [&](MPI_Request* r) {
+        return MPI_Iallgather(&local_size_, 1, MPI_INT, local_sizes.data(), 1, MPI_INT, control_,
+                              r);
+      },
+      "MPI_Iallgather", WaitFor::kStart);
   if (!s.ok()) return s;
   const bool even = std::all_of(local_sizes.begin(), local_sizes.end(),
                                 [&](int n) { return n == local_size_; });
@@ -222,7 +299,8 @@ Status MpiController::SetupHierarchy() {
   for (auto [comm, part] : {std::make_pair(local_, &local_data_),
                             std::make_pair(cross_, &cross_data_)}) {
     MPI_Comm own = MPI_COMM_NULL;
-    s = Check(MPI_Comm_dup(comm, &own), "MPI_Comm_dup");
+    s = StartAndWait([&](MPI_Request* r) { return MPI_Comm_idup(comm, &own, r); },
+                     "MPI_Comm_idup", WaitFor::kStart);
     if (!s.ok()) return s;
     *part = Subset(own);
   }
@@ -233,6 +311,7 @@ Status MpiController::SetupHierarchy() {
 std::unique_ptr<MpiController> MpiController::Subset(MPI_Comm comm) const {
   auto set = std::make_unique<MpiController>();
   set->subset_ = true;
+  set->job_ = job_;
   set->data_ = comm;
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm, &set->rank_);
@@ -291,6 +370,10 @@ MpiController::~MpiController() {
   }
   local_data_.reset();
   cross_data_.reset();
+  if (notice_request_ != MPI_REQUEST_NULL) {
+    MPI_Cancel(&notice_request_);
+    MPI_Wait(&notice_request_, MPI_STATUS_IGNORE);
+  }
   for (auto* ops : {&half_ops_, &bfloat16_ops_}) {
     for (MPI_Op& op : *ops) {
       if (op != MPI_OP_NULL) MPI_Op_free(&op);
@@ -311,11 +394,66 @@ Status MpiController::CreateProcessSet(const std::vector<int>& ranks,
   if (!failed_.ok()) return failed_;
   const bool member = std::binary_search(ranks.begin(), ranks.end(), rank_);
   MPI_Comm comm = MPI_COMM_NULL;
-  Status s = Check(MPI_Comm_split(data_, member ? 0 : MPI_UNDEFINED, rank_, &comm),
-                   "MPI_Comm_split");
+  // MPI_Comm_split blocks until every rank calls it: a bounded barrier first, so that a rank
+  // lost just before is an error here rather than a wait without end.
+  Status s = Barrier();
+  if (!s.ok()) return s;
+  s = Check(MPI_Comm_split(data_, member ? 0 : MPI_UNDEFINED, rank_, &comm), "MPI_Comm_split");
   if (!s.ok() || !member) return s;
   *out = Subset(comm);
   return Status::OK();
+}
+
+Status MpiController::Failed(const Status& status) {
+  if (failed_.ok()) failed_ = status;
+  if (job_ != this && job_->failed_.ok()) job_->failed_ = status;
+  return failed_;
+}
+
+Status MpiController::TakeNotice() {
+  if (job_ != this) return job_->TakeNotice();
+  if (notice_request_ == MPI_REQUEST_NULL) return notice_;
+  int done = 0;
+  MPI_Status status;
+  if (MPI_Test(&notice_request_, &done, &status) != MPI_SUCCESS || !done) return Status::OK();
+  int length = 0;
+  MPI_Get_count(&status, MPI_BYTE, &length);
+  notice_ = Status::Error(std::string(notice_in_.data(), static_cast<size_t>(length)));
+  std::fprintf(stderr, "perseus_legacy[rank %d]: rank %d failed and told every rank: %s\n",
+               rank_, status.MPI_SOURCE, notice_.message().c_str());
+  std::fflush(stderr);
+  return notice_;
+}
+
+void MpiController::Abort(const std::string& reason) {
+  if (job_ != this) {
+    job_->Abort(reason);
+    return;
+  }
+  // From now on the destructor ends the job (MPI_Abort) instead of finalizing: the other ranks
+  // may be inside collectives this rank will never join.
+  if (failed_.ok()) failed_ = Status::Error(reason);
+  if (!notice_.ok() || !notice_out_.empty() || control_ == MPI_COMM_NULL) return;
+  notice_out_ = reason.substr(0, kNoticeBytes);
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    notice_sends_.emplace_back();
+    if (MPI_Isend(notice_out_.data(), static_cast<int>(notice_out_.size()), MPI_BYTE, r,
+                  kNoticeTag, control_, &notice_sends_.back()) != MPI_SUCCESS) {
+      notice_sends_.back() = MPI_REQUEST_NULL;
+    }
+  }
+  // Progress them for a moment (best effort: a frozen rank may never take its copy).
+  const auto until = Clock::now() + std::chrono::duration<double>(kNoticeSendSecs);
+  int all_sent = 0;
+  while (Clock::now() < until) {
+    if (MPI_Testall(static_cast<int>(notice_sends_.size()), notice_sends_.data(), &all_sent,
+                    MPI_STATUSES_IGNORE) != MPI_SUCCESS ||
+        all_sent) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 std::string MpiController::Describe(const std::vector<int>& ranks) const {
@@ -349,10 +487,12 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
       if (request == MPI_REQUEST_NULL) continue;
       int done = 0;
       const int rc = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-      if (rc != MPI_SUCCESS) return failed_ = Check(rc, what);
+      if (rc != MPI_SUCCESS) return Failed(Check(rc, what));
       if (!done) waiting.push_back(peers[i]);
     }
     if (waiting.empty()) return Status::OK();
+    Status notice = TakeNotice();
+    if (!notice.ok()) return Failed(notice);
     const auto waited = std::chrono::duration_cast<microseconds>(Clock::now() - start);
     const double secs = std::chrono::duration<double>(waited).count();
     const bool give_up = shutdown_secs_ > 0 && secs >= shutdown_secs_;
@@ -361,16 +501,25 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
       waiting.erase(std::unique(waiting.begin(), waiting.end()), waiting.end());
       const bool known = waiting.front() >= 0;
       const std::string during = kind == WaitFor::kNegotiation ? "negotiation" : "a collective";
+      if (give_up && kind == WaitFor::kStart) {
+        Failed(Status::Error(
+            "perseus_legacy: not every rank reached init() within PERSEUS_START_TIMEOUT=" +
+            NumberString(shutdown_secs_) + " s (rank " + std::to_string(rank_) + " waited in " +
+            what + "): a rank never called init(), is frozen, or has exited"));
+        std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank_, failed_.message().c_str());
+        std::fflush(stderr);
+        return failed_;
+      }
       if (give_up) {
         const std::string who =
             known ? Describe(waiting) + " stopped responding: nothing from ranks " +
                         RankList(waiting)
                   : std::string("a rank stopped taking part in ") + what + ": nothing";
-        failed_ = Status::Error(
+        Failed(Status::Error(
             "perseus_legacy: " + who + " for " + NumberString(static_cast<int64_t>(secs)) +
             " s during " + during + " (PERSEUS_STALL_SHUTDOWN_SECS=" +
             NumberString(shutdown_secs_) +
-            "); the rank is frozen, stopped, or its host is unreachable");
+            "); the rank is frozen, stopped, or its host is unreachable"));
         std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", WorldRank(rank_),
                      failed_.message().c_str());
         std::fflush(stderr);

@@ -49,6 +49,10 @@ class MpiController : public Controller {
     }
   }
 
+  // Sends `reason` to every other rank (on the control communicator, where each keeps a receive
+  // posted from start-up on): their waits fail with it at once (Wait polls for it).
+  void Abort(const std::string& reason) override;
+
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
   Status BroadcastFromCoordinator(std::string* bytes) override;
 
@@ -71,7 +75,8 @@ class MpiController : public Controller {
  private:
   friend Status CreateMpiController(const TransportOptions& options,
                                     std::unique_ptr<Controller>* out);
-  Status Setup(intptr_t comm_handle);
+  // `start_secs` bounds each wait of the set-up on the other ranks (PERSEUS_START_TIMEOUT).
+  Status Setup(intptr_t comm_handle, double start_secs);
   // A controller with only a data plane, over `comm` (which it takes over): a process set's,
   // or a part of the hierarchical allreduce. It borrows this controller's types and ops.
   std::unique_ptr<MpiController> Subset(MPI_Comm comm) const;
@@ -96,7 +101,17 @@ class MpiController : public Controller {
     kCollective,   // one nonblocking collective: polled eagerly
     kRing,         // one chunk of the ring allreduce: polled gently, so that ranks sharing cores
                    // leave them to the ranks that have data to add
+    kStart,        // a step of the set-up, bounded by PERSEUS_START_TIMEOUT
   };
+  // Another rank's abort notice, once one has arrived (the job's first controller holds the
+  // posted receive; a Subset asks it): an error with the notice's text. OK otherwise.
+  Status TakeNotice();
+  // Records `status` as this controller's failure and its job controller's (so that a Subset's
+  // lost rank is seen at shutdown); returns it.
+  Status Failed(const Status& status);
+  // A collective started by `start` (an MPI_I... call filling the request), then waited for.
+  template <typename Start>
+  Status StartAndWait(Start start, const char* what, WaitFor kind);
   // Waits for every request; `peers[i]`: the rank request i waits on (-1: any, a collective).
   Status Wait(std::vector<MPI_Request>* requests, const std::vector<int>& peers,
               const char* what, WaitFor kind);
@@ -128,6 +143,15 @@ class MpiController : public Controller {
   double warning_secs_ = 0, shutdown_secs_ = 0;
   std::vector<std::string> hosts_;  // every rank's MPI_Get_processor_name (by the job's rank)
   Status failed_;                   // the first wait that failed; every later call returns it
+  // The controller of the whole job (this one unless a Subset), which holds the abort notices:
+  // a Subset is destroyed before it.
+  MpiController* job_ = this;
+  static constexpr int kNoticeBytes = 4096;  // longer reasons are cut
+  std::vector<char> notice_in_;
+  MPI_Request notice_request_ = MPI_REQUEST_NULL;
+  std::string notice_out_;
+  std::vector<MPI_Request> notice_sends_;
+  Status notice_;  // another rank's notice, once received
 
   std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
   std::vector<char> slot_;

@@ -24,6 +24,8 @@ struct TransportOptions {
   // MPI: the communicator (an MPI_Comm as an integer, e.g. mpi4py's MPI._handleof(comm)) whose
   // ranks form the group; 0: MPI_COMM_WORLD.
   intptr_t mpi_comm_handle = 0;
+  // MPI: how long each step of the set-up waits for the other ranks (PERSEUS_START_TIMEOUT).
+  double mpi_start_timeout_secs = 120.0;
   TcpOptions tcp;
 };
 

@@ -57,6 +57,7 @@ class TcpController : public Controller {
   int cross_size() const override { return options_.cross_size; }
   bool threads_supported() const override { return false; }
   std::string name() const override { return "tcp"; }
+  void Abort(const std::string& reason) override { static_cast<void>(Fail(Status::Error(reason))); }
   // A peer silent for `shutdown_secs` (when > 0 and below kPeerSilenceSecs; at least
   // kMinSilenceSecs) counts as lost: a frozen rank or a cut link is noticed at the stall limit
   // (what elastic runs regroup on).

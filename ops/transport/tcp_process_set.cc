@@ -24,6 +24,7 @@ class TcpProcessSet : public Controller {
   int cross_size() const override { return -1; }
   bool threads_supported() const override { return false; }
   std::string name() const override { return "tcp"; }
+  void Abort(const std::string& reason) override { mesh_.Abort(reason); }
 
   Status GatherToCoordinator(const std::string&, std::vector<std::string>*) override {
     return NoControlPlane();

@@ -34,6 +34,8 @@ def _comm_handle(comm: Any) -> int:
         raise ValueError("init(comm=...) takes an mpi4py communicator, not a list of ranks")
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"init(comm=...) expects an mpi4py MPI.Comm, got {type(comm).__name__}")
+    if comm == MPI.COMM_WORLD:
+        return 0  # the same group as init() without comm: a second init() is then a no-op
     return int(MPI._handleof(comm))
 
 
@@ -64,7 +66,7 @@ def _join_group(comm: Any) -> None:
         _join_elastic_group()
         return
     if comm is not None or tf_config.controller_from_env() == "mpi":
-        core().init(_comm_handle(comm))
+        core().init(_comm_handle(comm), tf_config.start_timeout())
         return
     cluster = tf_config.current_cluster()
     if cluster is None:

@@ -236,7 +236,7 @@ def controller_from_env(env: Mapping[str, str] | None = None) -> str:
 
 
 def start_timeout(env: Mapping[str, str] | None = None) -> float:
-    """PERSEUS_START_TIMEOUT: seconds the TCP ranks wait for each other at init()."""
+    """PERSEUS_START_TIMEOUT: seconds the ranks (TCP or MPI) wait for each other at init()."""
     return perseus_env.read_seconds("PERSEUS_START_TIMEOUT", DEFAULT_START_TIMEOUT, env,
                                     zero_allowed=False)
 

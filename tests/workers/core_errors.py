@@ -106,6 +106,8 @@ def check_reinit_on_subcommunicator(rank: int) -> None:
         fail(rank, f"sub-communicator: rank {_core.rank()} size {_core.size()}")
     got = _core.allreduce(np.full(2, rank, np.int32), "sub.sum", op=SUM)
     assert_close(rank, "sub.sum", got, np.full(2, 2 if rank % 2 == 0 else 1, np.int32))
+    print(f"[rank {rank}] init again: rank {_core.rank()} of {_core.size()}, sum "
+          f"{got.tolist()}", flush=True)
     if rank == 0:
         expect_error(rank, "stall shutdown", lambda: _core.allreduce(np.ones(2), "stall.only0"),
                      RuntimeError,
@@ -127,6 +129,8 @@ def check_reinit_over_tcp(rank: int) -> None:
         fail(rank, f"after init() again: rank {_core.rank()} size {_core.size()}")
     got = _core.allreduce(np.full(2, rank, np.int32), "again.sum", op=SUM)
     assert_close(rank, "again.sum", got, np.full(2, 3, np.int32))
+    print(f"[rank {rank}] init again: rank {_core.rank()} of {_core.size()}, sum "
+          f"{got.tolist()}", flush=True)
     # Both sides stall at once, so nobody runs ahead into the next collective while the other
     # side is still waiting for its stalled tensor to be given up.
     if rank == 0:

@@ -10,6 +10,9 @@ PHASE:
   kill_saving  rank 0 kills itself (SIGKILL) while it writes the checkpoint of step
                SAVE_FAULT_STEP: its shard files are written into `model.ckpt-N_temp/`, not yet
                merged into `model.ckpt-N.*` nor named in the `checkpoint` file
+  disk_full    MODEL_DIR is a small file system of its own (the test mounts a tmpfs): once
+               global step SAVE_FAULT_STEP - 1 is done, rank 0 fills it, so that the save of
+               step SAVE_FAULT_STEP fails with "No space left on device"
   resume       no fault: trains to TOTAL_STEPS from whatever rank 0's MODEL_DIR holds
 
 The model is linear (MSE loss, Momentum, whose slots are checkpointed too), rank 0 checkpoints
@@ -44,7 +47,7 @@ FAULT_STEP = 7  # not a checkpoint step: the last checkpoint before the fault is
 SAVE_FAULT_STEP = 6  # rank 0 dies writing it: the last whole checkpoint is step 3
 GLOBAL_BATCH, FEATURES = 8, 3
 LEARNING_RATE, MOMENTUM = 0.05, 0.9
-PHASES = ("cut", "kill", "kill_saving", "resume")
+PHASES = ("cut", "kill", "kill_saving", "disk_full", "resume")
 
 
 def global_batches() -> tuple:
@@ -122,6 +125,17 @@ def make_model_fn(rank: int, phase: str):
     return model_fn
 
 
+def fill_disk(model_dir: str) -> None:
+    """Writes into MODEL_DIR's file system until it has no space left."""
+    written = 0
+    with open(os.path.join(model_dir, "filler"), "wb", buffering=0) as filler:  # nothing held
+        try:
+            while True:
+                written += filler.write(b"\0" * 4096)
+        except OSError as exc:
+            print(f"[rank 0] FAULT disk full after {written} bytes: {exc}", flush=True)
+
+
 def fault(phase: str) -> None:
     print(f"[rank 1] FAULT {phase} after step {FAULT_STEP}", flush=True)
     if phase == "kill":
@@ -140,8 +154,9 @@ class Progress(tf.compat.v1.train.SessionRunHook):
     """When the last step ended, the steps this session started and ended at, its final
     variables; rank 1 brings about the `cut` and `kill` faults."""
 
-    def __init__(self, rank: int, phase: str) -> None:
+    def __init__(self, rank: int, phase: str, model_dir: str = "") -> None:
         self._fault = phase if rank == 1 and phase in ("cut", "kill") else None
+        self._fill = model_dir if rank == 0 and phase == "disk_full" else None
         self.last_step_end = time.monotonic()
         self.record: dict = {}
         self.values: dict = {}
@@ -159,6 +174,8 @@ class Progress(tf.compat.v1.train.SessionRunHook):
         self.last_step_end = time.monotonic()
         if self._fault and run_context.session.run(self._step) == FAULT_STEP:
             fault(self._fault)
+        if self._fill and run_context.session.run(self._step) == SAVE_FAULT_STEP - 1:
+            fill_disk(self._fill)
 
     def end(self, session) -> None:
         values = session.run(self._variables)
@@ -182,10 +199,11 @@ def main() -> None:
         sys.exit(f"unknown phase {phase!r}; expected one of {PHASES}")
     estimator = make_estimator(model_dir, phase)
     rank, size = pl.rank(), pl.size()
-    progress = Progress(rank, phase)
+    progress = Progress(rank, phase, model_dir)
     try:
         estimator.train(input_fn(rank, size), max_steps=TOTAL_STEPS, hooks=[progress])
-    except (tf.errors.OpError, RuntimeError) as exc:  # a collective's error: a peer is lost
+    except (tf.errors.OpError, RuntimeError) as exc:  # a collective's error (a peer is lost),
+        # or rank 0's own save with its disk full
         print(f"[rank {rank}] FAULT_SEEN after {time.monotonic() - progress.last_step_end:.1f} "
               f"s: {collective_error(exc)}", flush=True)
         sys.exit(1)

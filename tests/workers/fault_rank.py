@@ -1,9 +1,9 @@
-"""A 4 KiB allreduce loop in which rank 1 fails silently after 20 steps; the others must fail
-with an error naming it instead of waiting forever.
+"""A 4 KiB allreduce loop in which rank 1 (or the rank given as a second argument) fails
+silently after 20 steps; the others must fail with an error naming it instead of waiting forever.
 
-    fault_rank.py stop    rank 1 stops itself (SIGSTOP): a frozen process, sockets still open
-    fault_rank.py cut     rank 1 takes its host's link down (`ip link set eth0 down`, emulated
-                          hosts only): an unreachable host
+    fault_rank.py stop [R]   rank R stops itself (SIGSTOP): a frozen process, sockets still open
+    fault_rank.py cut [R]    rank R takes its host's link down (`ip link set eth0 down`, emulated
+                             hosts only): an unreachable host
 
 Every surviving rank prints `[rank R] FAULT_SEEN after S s: <error>` (S: seconds since its last
 completed step) and exits 1.
@@ -25,8 +25,8 @@ from perseus_legacy.common import basics
 FAULT_STEP = 20
 
 
-def fault(mode: str) -> None:
-    print(f"[rank 1] FAULT {mode} at step {FAULT_STEP}", flush=True)
+def fault(mode: str, rank: int) -> None:
+    print(f"[rank {rank}] FAULT {mode} at step {FAULT_STEP}", flush=True)
     if mode == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
     elif mode == "cut":
@@ -37,14 +37,15 @@ def fault(mode: str) -> None:
 
 def main() -> None:
     mode = sys.argv[1]
+    victim = int(sys.argv[2]) if len(sys.argv) > 2 else 1
     basics.init()
     rank = _core.rank()
     data = np.ones(1024, np.float32)
     last = time.monotonic()
     step = 0
     while True:
-        if rank == 1 and step == FAULT_STEP:
-            fault(mode)
+        if rank == victim and step == FAULT_STEP:
+            fault(mode, rank)
         try:
             out = _core.allreduce(data, f"step.{step}", op=1)
         except RuntimeError as exc:

@@ -1,0 +1,96 @@
+"""A failure of one rank's own (not a lost peer) must reach every rank at once, with its cause.
+
+    fault_abort.py DIR collective  PERSEUS_DEBUG_FAULT (set by the test: KIND@RANK) makes one
+                                   rank fail at the allreduce "debug_fault.0", after a few healthy
+                                   ones. Every rank prints `[rank R] FAULT_SEEN after S s: <error>`
+                                   (S: seconds since it submitted "debug_fault.0").
+    fault_abort.py DIR init        init() only: PERSEUS_DEBUG_FAULT=stop-at-agreement@1 or a
+                                   disagreeing setting; every rank that returns from init()
+                                   prints `[rank R] INIT_FAILED after S s: <error>`.
+    fault_abort.py DIR never-init  rank 1 waits for a signal instead of calling init(); rank 0's
+                                   init() must fail within PERSEUS_START_TIMEOUT.
+    fault_abort.py DIR mismatch    rank 1 sets PERSEUS_CACHE_CAPACITY=0 and
+                                   PERSEUS_FUSION_THRESHOLD=4096 before init(), then as `init`.
+
+Before exiting each rank leaves DIR/seen.R and waits (polling, with a deadline) until every
+rank's file is there: on MPI the first rank to exit ends the job (MPI_Abort), which must not
+come before the others have reported.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from perseus_legacy import _core
+from perseus_legacy.common import basics
+
+REPORT_WAIT_SECS = 30
+
+
+def launcher_rank() -> int:
+    return int(os.environ.get("PERSEUS_TCP_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
+
+
+def leave(out_dir: Path, rank: int, size: int) -> None:
+    """Marks this rank as reported and waits for the others' marks (bounded)."""
+    (out_dir / f"seen.{rank}").write_text("")
+    deadline = time.monotonic() + REPORT_WAIT_SECS
+    while time.monotonic() < deadline:
+        if all((out_dir / f"seen.{r}").exists() for r in range(size)):
+            return
+        time.sleep(0.05)
+
+
+def collective(out_dir: Path) -> None:
+    basics.init()
+    rank, size = _core.rank(), _core.size()
+    data = np.ones(1024, np.float32)
+    for step in range(3):
+        out = _core.allreduce(data, f"warm.{step}", op=1)
+        assert out[0] == size, out[:4]
+    start = time.monotonic()
+    try:
+        _core.allreduce(data, "debug_fault.0", op=1)
+    except RuntimeError as exc:
+        print(f"[rank {rank}] FAULT_SEEN after {time.monotonic() - start:.1f} s: {exc}",
+              flush=True)
+        leave(out_dir, rank, size)
+        sys.exit(1)
+    print(f"[rank {rank}] UNEXPECTED: debug_fault.0 succeeded", flush=True)
+
+
+def init_only(out_dir: Path, size: int) -> None:
+    rank = launcher_rank()
+    start = time.monotonic()
+    try:
+        basics.init()
+    except RuntimeError as exc:
+        print(f"[rank {rank}] INIT_FAILED after {time.monotonic() - start:.1f} s: {exc}",
+              flush=True)
+        leave(out_dir, rank, size)
+        sys.exit(1)
+    print(f"[rank {rank}] UNEXPECTED: init() succeeded", flush=True)
+
+
+def main() -> None:
+    out_dir, mode = Path(sys.argv[1]), sys.argv[2]
+    if mode == "collective":
+        collective(out_dir)
+        return
+    if mode == "never-init" and launcher_rank() == 1:
+        print("[rank 1] waiting for a signal instead of calling init()", flush=True)
+        signal.pause()  # the launcher's SIGTERM ends it
+    if mode == "mismatch" and launcher_rank() == 1:
+        os.environ["PERSEUS_CACHE_CAPACITY"] = "0"
+        os.environ["PERSEUS_FUSION_THRESHOLD"] = "4096"
+    init_only(out_dir, 1 if mode == "never-init" else 2)
+
+
+if __name__ == "__main__":
+    main()
