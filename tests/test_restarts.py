@@ -1,0 +1,118 @@
+"""`perseusrun --restarts`: a lost rank costs no completed step. The lowest surviving rank saves
+the last completed step where rank 0 saves checkpoints, every survivor says so, and the launcher
+starts the job again without the lost host, from that checkpoint, as long as --min-np ranks
+remain (else it ends with an error). Real ranks on emulated hosts over TCP, each launch bounded;
+the variables are checked against numpy on the same sequence of global batches.
+
+Workers: tests/workers/restart_estimator.py (an unchanged Estimator with run_config()) and
+tests/workers/restart_monitored.py (MonitoredTrainingSession + SyncReplicasHook).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from harness import (
+    ROOT,
+    assert_resumed,
+    assert_whole_checkpoints,
+    failure_summary,
+    needs_emulation,
+    run_perseusrun,
+    worker_module,
+)
+
+from perseusrun import launch
+
+ESTIMATOR_WORKER = ROOT / "tests" / "workers" / "restart_estimator.py"
+MONITORED_WORKER = ROOT / "tests" / "workers" / "restart_monitored.py"
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def restart_worker():
+    """restart_estimator (its steps, data and numpy reference) and tensorflow, for the checks."""
+    worker = worker_module("restart_estimator")  # imports perseus_legacy first
+    import tensorflow as tf
+
+    return worker, tf
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of running processes that contain `text` (a test's own directory)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in argv:
+            found.append(argv)
+    return found
+
+
+def assert_clean(model_dir: Path, tmp_path: Path, out: str) -> None:
+    """No half-written checkpoint in model_dir, no process of the job left."""
+    left = sorted(os.listdir(model_dir))
+    assert not [name for name in left if "_temp" in name or "tempstate" in name], left
+    assert not processes_mentioning(str(tmp_path)), out
+
+
+@needs_emulation
+def test_estimator_resumes_on_3_hosts_from_the_step_the_lowest_survivor_saved_when_rank_0_dies(
+        tmp_path, restart_worker):
+    """4 hosts x 1 rank over TCP, `--restarts 1 --min-np 3`: rank 0 (the only writer) is killed
+    after step 5, between checkpoints 4 and 8. Rank 1, the lowest survivor, saves step 5 into
+    rank 0's model_dir; the job restarts on the 3 other hosts and resumes at step 5 on every
+    rank: the final variables equal numpy's on 4-rank batches for steps 0-4, 3-rank ones after."""
+    worker, tf = restart_worker
+    model_dir, out_dir = tmp_path / "model", tmp_path / "out"
+    out_dir.mkdir()
+    code, out = run_perseusrun(
+        ["--tcp", "--emulate-hosts", "4", "--restarts", "1", "--min-np", "3"],
+        [ESTIMATOR_WORKER, model_dir, out_dir], {"TMPDIR": str(tmp_path)}, timeout=TIMEOUT)
+    assert code == 0, f"exit {code}:\n{failure_summary(out)}\n{out}"
+    fault = worker.FAULT_STEP
+    assert f"[rank 0] KILLED after step {fault}" in out, out
+    assert (f"perseus_legacy[rank 1]: rank 0 was lost; saved global step {fault}: "
+            f"{model_dir}/model.ckpt-{fault}") in out, out
+    for rank in (2, 3):
+        assert (f"perseus_legacy[rank {rank}]: rank 0 was lost; rank 1 saves the last completed "
+                f"step in {model_dir}") in out, out
+    assert re.search(r"perseusrun: rank 0 lost with host \S+h0; restart 1 of 1 on 3 ranks "
+                     r"\(\S+h1:1, \S+h2:1, \S+h3:1\)", out), out
+    # The graph's guarantee behind "the survivors hold the last completed step", on every rank.
+    assert len(re.findall(r"every update waits for the 2 gradient collectives", out)) == 7, out
+
+    sizes = [worker.FIRST_SIZE] * fault + [worker.FIRST_SIZE - 1] * (worker.TOTAL_STEPS - fault)
+    expected = worker.reference(sizes)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault, worker.TOTAL_STEPS],
+                             expected)
+    assert_resumed(out_dir, fault, expected, ranks=3)
+    assert_clean(model_dir, tmp_path, out)
+
+
+@needs_emulation
+def test_monitored_session_survivor_saves_the_last_step_and_too_few_ranks_left_is_an_error(
+        tmp_path, restart_worker):
+    """2 hosts over TCP, `--restarts 1` (--min-np defaults to -np 2): rank 1 is killed after
+    step 5. Rank 0 saves step 5 (checkpoint_dir() told every rank where); the launcher does not
+    restart on 1 rank and ends with an error saying why, with the job's failure code."""
+    worker, tf = restart_worker
+    model_dir = tmp_path / "model"
+    code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2", "--restarts", "1"],
+                               [MONITORED_WORKER, model_dir], {"TMPDIR": str(tmp_path)},
+                               timeout=TIMEOUT)
+    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    fault = worker.FAULT_STEP
+    assert (f"perseus_legacy[rank 0]: rank 1 was lost; saved global step {fault}: "
+            f"{model_dir}/model.ckpt-{fault}") in out, out
+    assert re.search(r"perseusrun: error: rank 1 lost with host \S+h1: 1 rank\(s\) would "
+                     r"remain, fewer than --min-np 2; not restarting", out), out
+    assert "restart 1 of 1" not in out and "UNEXPECTED" not in out, out
+    expected = worker.reference([2] * worker.TOTAL_STEPS)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault], expected)
+    assert_clean(model_dir, tmp_path, out)
