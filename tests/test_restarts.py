@@ -2,7 +2,8 @@
 the last completed step where rank 0 saves checkpoints, every survivor says so, and the launcher
 starts the job again without the lost host, from that checkpoint, as long as --min-np ranks
 remain (else it ends with an error). Real ranks on emulated hosts over TCP, each launch bounded;
-the variables are checked against numpy on the same sequence of global batches.
+the variables are checked against numpy on the same sequence of global batches. Over MPI,
+where mpirun ends the survivors at once, the restart resumes from rank 0's periodic checkpoint.
 
 Workers: tests/workers/restart_estimator.py (an unchanged Estimator with run_config()) and
 tests/workers/restart_monitored.py (MonitoredTrainingSession + SyncReplicasHook).
@@ -115,4 +116,27 @@ def test_monitored_session_survivor_saves_the_last_step_and_too_few_ranks_left_i
     assert "restart 1 of 1" not in out and "UNEXPECTED" not in out, out
     expected = worker.reference([2] * worker.TOTAL_STEPS)
     assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault], expected)
+    assert_clean(model_dir, tmp_path, out)
+
+
+def test_mpi_job_restarts_from_rank_0s_last_periodic_checkpoint_redoing_the_steps_since(
+        tmp_path, restart_worker):
+    """What an MPI job loses: 4 local ranks under mpirun, `--restarts 1`; rank 0 is killed
+    after step 5. mpirun ends the survivors before any can save and names the dead rank; the
+    launcher starts the 4 ranks again (one machine: no host to leave out), which resume from
+    rank 0's periodic checkpoint of step 4 and train step 5 again."""
+    worker, tf = restart_worker
+    model_dir, out_dir = tmp_path / "model", tmp_path / "out"
+    out_dir.mkdir()
+    code, out = run_perseusrun(["-np", "4", "--restarts", "1"],
+                               [ESTIMATOR_WORKER, model_dir, out_dir], {"TMPDIR": str(tmp_path)},
+                               timeout=TIMEOUT)
+    assert code == 0, f"exit {code}:\n{failure_summary(out)}\n{out}"
+    assert "was lost;" not in out, out  # no survivor lived to save
+    assert re.search(r"noticed that process rank 0 with PID \d+ on node \S+ exited on", out), out
+    assert "perseusrun: rank 0 lost; restart 1 of 1 on 4 ranks (localhost:4)" in out, out
+    expected = worker.reference([worker.FIRST_SIZE] * worker.TOTAL_STEPS)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, 2 * worker.EVERY,
+                                             worker.TOTAL_STEPS], expected)
+    assert_resumed(out_dir, worker.EVERY, expected, ranks=4)
     assert_clean(model_dir, tmp_path, out)
