@@ -91,7 +91,7 @@ def lost_rank_in(text: str) -> int | None:
 
 
 def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
-                   lost: set | None) -> None:
+                   lost: set | None, reported: threading.Event) -> None:
     # Whole lines only: ranks writing to one shared stdout would interleave within a line (an
     # unbuffered print() writes its newline separately).
     for line in iter(stream.readline, b""):
@@ -100,6 +100,7 @@ def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
             aborted.set()
         if lost is not None and lost_rank_in(text) is not None:
             lost.add(lost_rank_in(text))
+            reported.set()
         out.write(prefix + text)
         out.flush()
 
@@ -121,17 +122,19 @@ class _Job:
         self.per_rank = per_rank
         self.aborted = threading.Event()
         self.procs: list[subprocess.Popen] = []
+        self.reported: list[threading.Event] = []  # per process: it printed a lost rank's line
         self.forwarders: list[threading.Thread] = []
         for rank, (argv, env) in enumerate(commands):
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=per_rank)
             self.procs.append(proc)
+            self.reported.append(threading.Event())
             for stream, tag, out in ((proc.stdout, "stdout", sys.stdout),
                                      (proc.stderr, "stderr", sys.stderr)):
                 prefix = f"[1,{rank}]<{tag}>:" if tag_output and per_rank else ""
                 thread = threading.Thread(target=_forward_lines,
-                                          args=(stream, prefix, out, self.aborted, lost),
-                                          daemon=True)
+                                          args=(stream, prefix, out, self.aborted, lost,
+                                                self.reported[-1]), daemon=True)
                 thread.start()
                 self.forwarders.append(thread)
 
@@ -162,9 +165,10 @@ class _Job:
 
 
 def _survivors_done(job: _Job, lost: set) -> bool:
-    """Whether every rank not named lost has exited (and some rank was named lost)."""
-    return bool(lost) and all(proc.poll() is not None for rank, proc in enumerate(job.procs)
-                              if rank not in lost)
+    """Whether every rank not named lost has exited or reported the loss (a survivor prints
+    its line once its save, if it makes one, is complete), and some rank was named lost."""
+    return bool(lost) and all(proc.poll() is not None or job.reported[rank].is_set()
+                              for rank, proc in enumerate(job.procs) if rank not in lost)
 
 
 def supervise(commands: Sequence[tuple[list[str], dict]], timeout: float | None = None,
