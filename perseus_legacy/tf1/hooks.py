@@ -102,7 +102,8 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
     steps, i.e. after the last step all ranks took part in (`steps` is then the same
     everywhere). A rank that fails with an exception fails the others. A step failing because
     a rank is lost makes the lowest surviving rank save the last completed step into rank 0's
-    checkpoint directory (perseus_legacy.tf1.survivor).
+    checkpoint directory (perseus_legacy.tf1.survivor), once the broadcast has run (with
+    broadcast=False: a BroadcastGlobalVariablesHook's).
 
     Args:
       root_rank: the rank whose variables every rank starts from.
@@ -135,9 +136,8 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Broadcasts the root rank's variables (unless broadcast=False)."""
-        if self._broadcast is not None:
+        if self._broadcast is not None:  # it watches the session for a lost rank then
             self._broadcast.after_create_session(session, coord)
-        survivor.watch(session)
         if self._watch:
             basics.core().take_peer_joined()  # forgets what happened before this session
 
