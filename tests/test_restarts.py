@@ -140,3 +140,38 @@ def test_mpi_job_restarts_from_rank_0s_last_periodic_checkpoint_redoing_the_step
                                              worker.TOTAL_STEPS], expected)
     assert_resumed(out_dir, worker.EVERY, expected, ranks=4)
     assert_clean(model_dir, tmp_path, out)
+
+
+def test_restarts_leave_out_the_lost_ranks_host_of_a_host_list_and_stop_below_min_np(capsys):
+    """The relaunch loop on -H a:2,b:2,c:1 (mpirun's by-slot placement), with a stand-in for the
+    job: rank 2 (host b) lost, then rank 0 (host a); this machine's ranks are never left out."""
+    from perseusrun import restarts
+
+    args = launch.parse_args(["-np", "5", "-H", "a:2,b:2,c:1", "--restarts", "3",
+                              "--min-np", "2", "python", "x"])
+    placement = restarts.placement_of([("a", 2), ("b", 2), ("c", 1)], 5)
+    assert placement == ["a", "a", "b", "b", "c"]
+    runs, losses = [], [{2}, {0}, {0}]
+
+    def run_once(placed: list, lost: set, left: float | None) -> int:
+        runs.append(list(placed))
+        lost.update(losses[len(runs) - 1])
+        return 1
+
+    assert restarts.run_with_restarts(args, placement, run_once, local=lambda h: False) == 1
+    assert runs == [["a", "a", "b", "b", "c"], ["a", "a", "c"]], runs
+    err = capsys.readouterr().err
+    assert "rank 2 lost with host b; restart 1 of 3 on 3 ranks (a:2, c:1)" in err, err
+    assert ("error: rank 0 lost with host a: 1 rank(s) would remain, fewer than --min-np 2; "
+            "not restarting") in err, err
+
+    # This machine's ranks start again as many; a failure without a lost rank ends the job.
+    runs.clear()
+    losses[:] = [{1}, set()]
+    assert restarts.run_with_restarts(args, ["localhost"] * 2, run_once) == 1
+    assert runs == [["localhost"] * 2] * 2, runs
+
+
+def test_min_np_above_np_is_a_usage_error():
+    assert launch.main(["--tcp", "-np", "2", "--min-np", "3", "python", "x"]) == 2
+    assert launch.main(["--tcp", "-np", "2", "--restarts", "-1", "python", "x"]) == 2
