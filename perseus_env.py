@@ -9,6 +9,8 @@ against it by tests/test_settings.py), and the typed readers every Python read g
 from __future__ import annotations
 
 import functools
+import hmac
+import json
 import os
 import re
 import shutil
@@ -23,6 +25,10 @@ ADDRESSES_VARIABLE = "PERSEUS_TCP_ADDRESSES"
 # Set beside TF_USE_LEGACY_KERAS when `import perseus_legacy` chose legacy Keras in a process,
 # so that its child processes can tell that choice from the user's own.
 LEGACY_KERAS_SET_HERE = "PERSEUS_SET_TF_USE_LEGACY_KERAS"
+# `perseusrun --tcp` in elastic mode: host:port of the launcher's driver, and this worker's
+# name there (host/slot); init() asks the driver for the rank, size and addresses of each round.
+ELASTIC_DRIVER_VARIABLE = "PERSEUS_ELASTIC_DRIVER"
+ELASTIC_WORKER_VARIABLE = "PERSEUS_ELASTIC_WORKER"
 
 # Who reads a setting.
 LIBRARY, LAUNCHER, RUNTIME, BUILD = "library", "launcher", "native runtime", "build"
@@ -63,7 +69,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PERSEUS_SECRET", "random per job under perseusrun", "a string of >= 16 bytes",
             "the job secret every TCP rank shares", (LIBRARY, LAUNCHER)),
     Setting("PERSEUS_START_TIMEOUT", "120", "seconds > 0",
-            "TCP: how long ranks wait for each other at init()", (LIBRARY,)),
+            "TCP: how long ranks wait for each other (and for their names to resolve) at init()",
+            (LIBRARY,)),
     Setting(RANK_VARIABLE, "set by perseusrun --tcp", "a rank of PERSEUS_TCP_ADDRESSES",
             "TCP: this process's rank", (LIBRARY,)),
     Setting(ADDRESSES_VARIABLE, "set by perseusrun --tcp", "host:port,host:port,...",
@@ -92,6 +99,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting(LEGACY_KERAS_SET_HERE, "unset", "1",
             "import perseus_legacy set TF_USE_LEGACY_KERAS in this process", (LIBRARY, LAUNCHER),
             documented=False),
+    Setting(ELASTIC_DRIVER_VARIABLE, "set by perseusrun in elastic mode", "host:port",
+            "elastic: where init() asks for this round's rank, size and addresses",
+            (LIBRARY, LAUNCHER), documented=False),
+    Setting(ELASTIC_WORKER_VARIABLE, "set by perseusrun in elastic mode", "host/slot",
+            "elastic: this worker's name at the driver", (LIBRARY, LAUNCHER), documented=False),
 )
 _BY_NAME = {setting.name: setting for setting in SETTINGS}
 _ON, _OFF = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
@@ -413,3 +425,39 @@ def lost_rank_in(line: str) -> int | None:
     """The rank a lost_rank_line() names, or None for any other line."""
     found = _LOST_RANK_LINE.search(line)
     return int(found.group(2)) if found else None
+
+
+# ---- the elastic driver's wire: perseusrun.elastic_driver <-> perseus_legacy elastic_client
+# One request per connection, each message one JSON line. The driver opens with a nonce; the
+# worker's request carries HMAC-SHA-256(secret, driver nonce + request) and a nonce of its own,
+# which the answer's HMAC covers: both sides prove the job secret, no message can be replayed.
+
+ELASTIC_MAX_LINE = 1 << 20
+
+
+def elastic_mac(secret: str, nonce: str, body: str) -> str:
+    """HMAC-SHA-256 of `nonce + body` under the job secret, hex."""
+    return hmac.new(secret.encode(), (nonce + body).encode(), "sha256").hexdigest()
+
+
+def elastic_send(sock: socket.socket, secret: str, nonce: str, message: dict) -> None:
+    """Sends `message` as one JSON line with its MAC over `nonce`."""
+    body = json.dumps(message, sort_keys=True)
+    line = json.dumps({"body": body, "mac": elastic_mac(secret, nonce, body)}) + "\n"
+    sock.sendall(line.encode())
+
+
+def elastic_receive(reader, secret: str, nonce: str, what: str) -> dict:
+    """Reads one JSON line from the file `reader`; ValueError naming `what` when it is missing,
+    malformed or its MAC is not the job secret's over `nonce`."""
+    line = reader.readline(ELASTIC_MAX_LINE)
+    if not line:
+        raise ValueError(f"{what}: the connection closed before a message")
+    try:
+        outer = json.loads(line)
+        body, mac = outer["body"], outer["mac"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{what}: not a message of the elastic driver's protocol") from None
+    if not hmac.compare_digest(str(mac), elastic_mac(secret, nonce, str(body))):
+        raise ValueError(f"{what}: the message does not prove the job secret (PERSEUS_SECRET)")
+    return json.loads(body)

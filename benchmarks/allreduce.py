@@ -11,7 +11,7 @@ TCP column (unless --no-tcp): after the MPI tables, rank 0 starts a separate
 `perseusrun --tcp -np N` launch of this script (`--tcp-worker`), which times
 `perseus_legacy._core.allreduce` on numpy arrays over the TCP controller (no MPI), into a reused
 output array like mpi4py's receive buffer, and prints it next to this run's mpi4py times (target:
-TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB).
+TCP >= 0.7x mpi4py's bandwidth at >= 16 MiB), with the TF op's chain and floor over TCP.
 
 How the op is measured:
 - The input is a variable, so no feed is copied into the graph each step.
@@ -20,7 +20,10 @@ How the op is measured:
   memcpy), which measures the Session fetch path rather than the collective.
 - Each session.run runs CHAIN allreduces one after the other (control dependencies keep them
   from being fused), so session.run's fixed Python and executor cost (~0.1-0.3 ms) is shared
-  as in a real training step with many ops; the last column shows one allreduce per run.
+  as in a real training step with many ops; a column shows one allreduce per run.
+- TensorFlow's floor: the same chain with tf.identity in place of each allreduce, timed in the
+  same turns; "TF op over floor" is what one allreduce adds to the step (also for the TF op
+  over TCP, in the TCP launch).
 Rank 0 prints markdown tables.
 """
 
@@ -53,13 +56,17 @@ def label(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
 
 
-def median_seconds(steps: dict, repeats: int, budget_s: float) -> dict:
-    """Median seconds per call of each step function, ranks aligned by a barrier.
+def mpi_agree(value: int) -> int:
+    """Rank 0's `value` on every rank, over MPI; also a barrier."""
+    return MPI.COMM_WORLD.bcast(value, root=0)
+
+
+def median_seconds(steps: dict, repeats: int, budget_s: float, agree=mpi_agree) -> dict:
+    """Median seconds per call of each step function, ranks aligned by `agree` (a barrier).
 
     The steps take turns within every repeat, so load from elsewhere on the machine hits them
     alike and the ratios stay meaningful on a busy host.
     """
-    comm = MPI.COMM_WORLD
     batches = {}
     for name, step in steps.items():
         for _ in range(3):
@@ -68,12 +75,11 @@ def median_seconds(steps: dict, repeats: int, budget_s: float) -> dict:
         step()
         one = max(time.perf_counter() - t0, 1e-6)
         # Every rank must make the same number of calls: rank 0's estimate decides.
-        batches[name] = comm.bcast(
-            max(1, min(500, int(budget_s / len(steps) / repeats / one))), root=0)
+        batches[name] = agree(max(1, min(500, int(budget_s / len(steps) / repeats / one))))
     samples = {name: [] for name in steps}
     for _ in range(repeats):
         for name, step in steps.items():
-            comm.Barrier()
+            agree(0)
             t0 = time.perf_counter()
             for _ in range(batches[name]):
                 step()
@@ -87,12 +93,15 @@ def session(graph: tf.Graph) -> tf.compat.v1.Session:
     return tf.compat.v1.Session(graph=graph, config=config)
 
 
-def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False):
+def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
+                      floor: bool = False):
     """A Session step running `chain` rounds of one Sum-allreduce per shape, nothing fetched.
 
     Rounds are serialized by control dependencies, so each allreduce runs alone (never fused
     with the next) and one session.run's fixed cost is shared by `chain` of them. `grouped`:
     each round is one grouped_allreduce op of all the shapes instead of one op per shape.
+    `floor`: the same graph with `tf.identity` in place of each allreduce, TensorFlow's own cost
+    of such a step (the variable read, the executor, session.run), which no collective can beat.
     """
     graph = tf.Graph()
     with graph.as_default():
@@ -101,7 +110,10 @@ def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False):
         previous = []
         for k in range(chain):
             with tf.control_dependencies(previous):
-                if grouped:
+                if floor:
+                    previous = [tf.identity(v.read_value(), name=f"floor_{i}_{k}")
+                                for i, v in enumerate(variables)]
+                elif grouped:
                     previous = pl.grouped_allreduce([v.read_value() for v in variables],
                                                     op=pl.Sum, name=f"bench_group_{k}")
                 else:
@@ -125,7 +137,11 @@ def mpi4py_step(nbytes: int):
 # ---- TCP column: perseus_legacy._core.allreduce over the TCP controller, its own launch -------
 
 def tcp_worker(sizes: list, repeats: int, budget_s: float) -> None:
-    """--tcp-worker: under perseusrun --tcp; rank 0 prints `TCP_SECONDS {bytes: seconds}`."""
+    """--tcp-worker: under perseusrun --tcp; rank 0 prints `TCP_SECONDS {bytes: {step: s}}`.
+
+    Steps: `core` (_core.allreduce on numpy), `op` and `floor` (the TF chain and its floor, as in
+    the MPI table).
+    """
     from perseus_legacy import _core
 
     pl.init()
@@ -134,24 +150,19 @@ def tcp_worker(sizes: list, repeats: int, budget_s: float) -> None:
     def agree(value: int) -> int:  # rank 0's value on every rank; also a barrier
         return int(_core.broadcast(np.array([value], np.int64), 0, "tcp_agree")[0])
 
-    seconds = {}
-    for nbytes in sizes:
+    def core_step(nbytes: int):
         data = np.ones(nbytes // 4, np.float32)
         out = np.empty_like(data)
-        for _ in range(3):
-            _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
-        t0 = time.perf_counter()
-        _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
-        one = max(time.perf_counter() - t0, 1e-6)
-        batch = agree(max(1, min(500, int(budget_s / repeats / one))))
-        samples = []
-        for _ in range(repeats):
-            agree(0)
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
-            samples.append((time.perf_counter() - t0) / batch)
-        seconds[nbytes] = statistics.median(samples)
+        return lambda: _core.allreduce(data, "tcp_bench", op=pl.Sum, out=out)
+
+    seconds = {}
+    for nbytes in sizes:
+        times = median_seconds({"core": core_step(nbytes),
+                                "op": tf_allreduce_step([[nbytes // 4]], CHAIN),
+                                "floor": tf_allreduce_step([[nbytes // 4]], CHAIN, floor=True)},
+                               repeats, budget_s, agree)
+        seconds[nbytes] = {"core": times["core"], "op": times["op"] / CHAIN,
+                           "floor": times["floor"] / CHAIN}
     if pl.rank() == 0:
         print("TCP_SECONDS " + json.dumps(seconds), flush=True)
     pl.shutdown()
@@ -172,15 +183,18 @@ def tcp_seconds(size: int, sizes: list, repeats: int, budget_s: float) -> dict:
 
 
 def print_tcp_table(size: int, rows: list, tcp: dict) -> None:
-    print(f"\nTCP controller: _core.allreduce on numpy over TCP ({size} ranks, perseusrun --tcp, "
-          "a separate launch) against this run's mpi4py over MPI\n")
-    print("| size | mpi4py (ms) | mpi4py (GB/s) | TCP (ms) | TCP (GB/s) | TCP / mpi4py |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    for nbytes, _, _, mpi_s in rows:
-        tcp_s = tcp[nbytes]
+    print(f"\nTCP controller ({size} ranks, perseusrun --tcp, a separate launch): _core.allreduce "
+          "on numpy against this run's mpi4py over MPI, and the TF op against its floor\n")
+    print("| size | mpi4py (ms) | mpi4py (GB/s) | TCP (ms) | TCP (GB/s) | TCP / mpi4py "
+          f"| TF op over TCP, chain of {CHAIN} (ms/op) | TF op over floor (us) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for nbytes, _, _, mpi_s, _ in rows:
+        tcp_s, op_s, floor_s = (tcp[nbytes][k] for k in ("core", "op", "floor"))
         print(f"| {label(nbytes)} | {mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | "
-              f"{tcp_s * 1e3:.3f} | {nbytes / tcp_s / 1e9:.2f} | {mpi_s / tcp_s:.2f}x |")
-    print("\nTCP / mpi4py: bandwidth ratio (target >= 0.7x at >= 16 MiB).")
+              f"{tcp_s * 1e3:.3f} | {nbytes / tcp_s / 1e9:.2f} | {mpi_s / tcp_s:.2f}x | "
+              f"{op_s * 1e3:.3f} | {(op_s - floor_s) * 1e6:.0f} |")
+    print("\nTCP / mpi4py: bandwidth ratio (target >= 0.7x at >= 16 MiB). TF op over floor: as in "
+          "the MPI table (target <= 50 us at 4 KiB).")
 
 
 def main() -> None:
@@ -203,8 +217,10 @@ def main() -> None:
     for nbytes in args.sizes:
         times = median_seconds({"op": tf_allreduce_step([[nbytes // 4]], CHAIN),
                                 "single": tf_allreduce_step([[nbytes // 4]]),
+                                "floor": tf_allreduce_step([[nbytes // 4]], CHAIN, floor=True),
                                 "mpi4py": mpi4py_step(nbytes)}, args.repeats, args.budget)
-        rows.append((nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"]))
+        rows.append((nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"],
+                     times["floor"] / CHAIN))
 
     many_bytes = 100 * 16 * KIB
     times = median_seconds({"many": tf_allreduce_step([[16 * KIB // 4]] * 100),
@@ -220,12 +236,14 @@ def main() -> None:
               f"{MPI.Get_library_version().splitlines()[0].split(',')[0]}, "
               f"{os.cpu_count()} cores, load average {load}, TF_CPU_ALLOCATOR_USE_BFC={bfc}\n")
         print(f"| size | TF op, chain of {CHAIN} (ms/op) | TF op (GB/s) | mpi4py (ms) "
-              "| mpi4py (GB/s) | TF op / mpi4py | TF op, 1 per session.run (ms) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|")
-        for nbytes, op_s, single_s, mpi_s in rows:
+              "| mpi4py (GB/s) | TF op / mpi4py | TF op, 1 per session.run (ms) "
+              "| TF floor (ms/op) | TF op over floor (us) |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for nbytes, op_s, single_s, mpi_s, floor_s in rows:
             print(f"| {label(nbytes)} | {op_s * 1e3:.3f} | {nbytes / op_s / 1e9:.2f} | "
                   f"{mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | {mpi_s / op_s:.2f}x | "
-                  f"{single_s * 1e3:.3f} |")
+                  f"{single_s * 1e3:.3f} | {floor_s * 1e3:.3f} | "
+                  f"{(op_s - floor_s) * 1e6:.0f} |")
         print("\n| one session.run | time (ms) | GB/s |")
         print("|---|---:|---:|")
         print(f"| 100 x 16 KiB tensors, 100 allreduce ops | {many_s * 1e3:.3f} | "
@@ -235,7 +253,10 @@ def main() -> None:
         print(f"| 1 x 1.6 MiB tensor | {one_s * 1e3:.3f} | {many_bytes / one_s / 1e9:.2f} |")
         print(f"\nTF op, chain of {CHAIN}: {CHAIN} dependent allreduces per session.run, time per "
               "allreduce (shares session.run's fixed cost). TF op / mpi4py: bandwidth ratio of "
-              "that column (target >= 0.95x at >= 1 MiB). 1 per session.run: the whole call.\n"
+              "that column (target >= 0.95x at >= 1 MiB). 1 per session.run: the whole call. "
+              "TF floor: the same chain with tf.identity for each allreduce; TF op over floor: "
+              "what one allreduce adds to TensorFlow's own step, transfer included (target "
+              "<= 50 us at 4 KiB).\n"
               f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x as 100 ops, "
               f"{grouped_s / one_s:.2f}x as one grouped op (target <= 1.5x).")
 

@@ -16,7 +16,8 @@ step --fault-step is done; rank 0 / the chief checkpoints every --every steps.
 - rerun: the same job as before survivors saved (the worker turns the save off): it fails, and
   is started again at once on N-1 hosts (what a script or an operator does), resuming from
   rank 0's last periodic checkpoint.
-- elastic: a slot for hvd.elastic.run regrouping on TCP (measured by its own mode, not here).
+- elastic: a slot for hvd.elastic.run regrouping on TCP (benchmarks/faults_elastic.py measures
+  it).
 - ps_async: TF_CONFIG tasks on TF 2.15.1 (.venv-tf215), a chief and N-1 workers and one ps task
   beside the chief, plain tf.estimator with train_and_evaluate. The killed worker is started
   again at once (a pod restarted by its controller) and rejoins; the others never stop.
@@ -343,7 +344,7 @@ def print_table(results: dict, args: argparse.Namespace) -> None:
     for name, system in SYSTEMS.items():
         row = results.get(name)
         if row is None:
-            why = "measured by its own mode" if system.measure is None else "not run"
+            why = "benchmarks/faults_elastic.py" if system.measure is None else "not run"
             print(f"| {system.title} | {why} | | | | | |")
             continue
         print(f"| {system.title} | {cell(row['next_step_s'])} | {cell(row['new_step_s'])} | "

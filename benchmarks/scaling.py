@@ -51,7 +51,9 @@ PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 REAL_LINK = "25gbit"  # the link of Horovod's published 128 x 4 Pascal GPU runs (RoCE)
 DEFAULT_MODELS = "resnet101"
 DEFAULT_LAYOUTS = "1,2,4,8,4x2"
-DEFAULT_SYSTEMS = "run_config_mpi,run_config_tcp,horovod_mpi,sync_hook_mpi,ps_sync"
+# sync_hook_mpi and dist_opt_mpi run the runtime of run_config_mpi through other APIs (the same
+# graph rewrite or the same allreduces): not by default, to keep a default run under 20 minutes.
+DEFAULT_SYSTEMS = "run_config_mpi,run_config_tcp,horovod_mpi,ps_sync"
 GLOO_PORT = 24200
 
 
@@ -327,8 +329,9 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the chart
 
 
-def write_chart(json_path: Path, chart: Path) -> None:
-    """Efficiency against hosts, a line per system, a panel per model, from the JSON lines."""
+def write_chart(json_path: Path, chart: Path, projection: Path | None = None) -> None:
+    """Efficiency against hosts, a line per system, a panel per model, from the JSON lines;
+    with `projection` (scaling_projection.py --json), its projected efficiency beyond."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -336,6 +339,8 @@ def write_chart(json_path: Path, chart: Path) -> None:
 
     rows = [json.loads(line) for line in json_path.read_text().splitlines() if line.strip()]
     rows = [r for r in rows if r.get("efficiency") is not None]
+    projected = [json.loads(line) for line in projection.read_text().splitlines()
+                 if line.strip()] if projection else []
     models = list(dict.fromkeys(r["model"] for r in rows))
     if not models:
         return
@@ -354,9 +359,20 @@ def write_chart(json_path: Path, chart: Path) -> None:
                         if r["model"] == model and r["ranks_per_host"] == 1})
         if bound:
             axis.plot(*zip(*bound), "k--", linewidth=1, label="compute + link bound")
+        for hop in dict.fromkeys(p["hop_ms"] for p in projected if p["model"] == model):
+            points = sorted((p["hosts"], p["efficiency"]) for p in projected
+                            if p["model"] == model and p["hop_ms"] == hop)
+            axis.plot(*zip(*points), ":",
+                      label=f"projection, {projected[0]['link_rate']}, {hop:g} ms hop")
+        published = [p["horovod_published"] for p in projected
+                     if p["model"] == model and p.get("horovod_published")]
+        if published:
+            axis.plot([512], published[:1], "k*", markersize=9,
+                      label="Horovod published, 512 GPUs")
+        hosts = sorted({r["hosts"] for r in rows} | {p["hosts"] for p in projected
+                                                      if p["model"] == model})
         axis.set_xscale("log", base=2)
-        axis.set_xticks(sorted({r["hosts"] for r in rows}), [str(h) for h in sorted(
-            {r["hosts"] for r in rows})])
+        axis.set_xticks(hosts, [str(h) for h in hosts])
         axis.set_title(model)
         axis.set_xlabel("hosts")
         axis.set_ylabel("scaling efficiency")
@@ -370,14 +386,16 @@ def write_chart(json_path: Path, chart: Path) -> None:
 
 def chart_with_any_python(json_path: Path, chart: Path, args: argparse.Namespace) -> None:
     try:
-        write_chart(json_path, chart)
+        write_chart(json_path, chart, Path(args.projection) if args.projection else None)
     except ImportError:  # matplotlib lives in the peers venv (benchmarks/requirements.txt)
         if not os.access(args.peers_python, os.X_OK):
             print("no chart: matplotlib is missing (pip install -r benchmarks/requirements.txt)",
                   file=sys.stderr, flush=True)
             return
         subprocess.run([args.peers_python, __file__, "--chart-only", str(json_path),
-                        "--chart", str(chart)], check=False)
+                        "--chart", str(chart),
+                        *(["--projection", args.projection] if args.projection else [])],
+                       check=False)
 
 
 # --------------------------------------------------------------------------- main
@@ -431,7 +449,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", help="write one JSON object per row to this file")
     parser.add_argument("--chart", help="PNG of efficiency against hosts (default: next to "
                         "--json; `none`: no chart)")
-    parser.add_argument("--chart-only", help=argparse.SUPPRESS)
+    parser.add_argument("--projection", help="scaling_projection.py --json rows to draw beyond "
+                        "the measured hosts")
+    parser.add_argument("--chart-only", help="draw the chart of this --json file and exit")
     parser.add_argument("-v", "--verbose", action="store_true")
     parser.add_argument("--tf221-python", default=str(cluster_training.MPI_BIN / "python"))
     parser.add_argument("--tf215-python", default=str(cluster_training.TF215_PYTHON))
@@ -444,7 +464,8 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.chart_only:
-        write_chart(Path(args.chart_only), Path(args.chart))
+        write_chart(Path(args.chart_only), Path(args.chart),
+                    Path(args.projection) if args.projection else None)
         return
     from perseusrun import emulate
 

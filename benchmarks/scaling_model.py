@@ -162,11 +162,21 @@ def step_bounds_ms(profile: Profile, hosts: int, byte_scale: float,
 # --------------------------------------------------------------------------- the wait
 
 
-def delay_library_path(python: str = sys.executable) -> Path:
-    """Where the EmulatedDelay op built for `python`'s TensorFlow lives."""
-    version = subprocess.run(
+def _tensorflow_version(python: str) -> str:
+    # This process's TensorFlow when it is `python`'s and imported (every worker: a second
+    # interpreter importing TensorFlow only for its version cost each rank seconds of CPU at
+    # start-up, on cores the other ranks share); otherwise ask `python`.
+    loaded = sys.modules.get("tensorflow")
+    if python == sys.executable and loaded is not None:
+        return loaded.__version__
+    return subprocess.run(
         [python, "-c", "import tensorflow as tf; print(tf.__version__)"], capture_output=True,
         text=True, check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}).stdout.split()[-1]
+
+
+def delay_library_path(python: str = sys.executable) -> Path:
+    """Where the EmulatedDelay op built for `python`'s TensorFlow lives."""
+    version = _tensorflow_version(python)
     digest = hashlib.sha256(DELAY_SOURCE.read_bytes()).hexdigest()[:12]
     return BUILD_DIR / f"tf{version}-{digest}" / "emulated_delay.so"
 

@@ -58,6 +58,12 @@ class EmulatedHost:
     namespace: str
     address: str
 
+    @property
+    def hosts_file(self) -> Path:
+        """The /etc/hosts that this host's processes read (`ip netns exec` bind-mounts it over
+        /etc/hosts): append to it in place to publish a name late, as a cluster's DNS does."""
+        return NETNS_ETC / self.namespace / "hosts"
+
     def command(self, argv: Sequence[str]) -> list[str]:
         """`argv` run inside this host: its network namespace, under its own hostname."""
         return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "/bin/sh", "-c",
@@ -264,7 +270,7 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path) -> Emulated
             _limit("eth0", link_rate, rate, host.namespace)  # out of the host
         with contextlib.suppress(OSError):  # only the hostnames' resolution depends on it
             (NETNS_ETC / host.namespace).mkdir(parents=True, exist_ok=True)
-            (NETNS_ETC / host.namespace / "hosts").write_text(etc_hosts)
+            host.hosts_file.write_text(etc_hosts)
     agent = job_dir / "agent"
     agent.write_text(_agent_script(hosts))
     agent.chmod(0o700)

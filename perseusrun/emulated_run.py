@@ -1,5 +1,6 @@
 """The `--emulate-hosts N[:SLOTS]` backend: the job on N emulated hosts of this machine (see
-perseusrun.emulate), over mpirun or, with --tcp, one process per rank in its host's namespace.
+perseusrun.emulate), over mpirun or, with --tcp, one process per rank in its host's namespace
+(elastic: perseusrun.elastic_run starts and ends them, on the hosts its discovery script names).
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from perseusrun import emulate, mpi_run, restarts, tcp_run
+from perseusrun import elastic_run, emulate, mpi_run, restarts, tcp_run
 from perseusrun.job import UsageError, check_job_args, slot_count
 from perseusrun.supervise import STOP_SIGNALS
 
@@ -30,7 +31,10 @@ def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
     if args.hosts or args.hostfile:
         raise UsageError("--emulate-hosts makes its own hosts: drop -H/--hostfile")
     count, slots = parse_emulated_hosts(args.emulate_hosts)
-    if args.np is None:
+    elastic = elastic_run.is_elastic(args)
+    if elastic:
+        elastic_run.check_elastic_args(args)
+    if args.np is None and not (elastic and args.host_discovery_script):
         args.np = count * slots
     if args.tcp and args.np > count * slots:
         raise UsageError(f"-np {args.np} needs {args.np} slots but --emulate-hosts "
@@ -41,6 +45,8 @@ def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
             emulate.rate_bytes_per_second(args.link_rate)
     except emulate.EmulationError as exc:
         raise UsageError(str(exc)) from None
+    if elastic:  # -np may come from the discovery script: checked when it has run
+        return count, slots
     check_job_args(args)
     restarts.check_restart_args(args)
     if args.tcp:
@@ -74,6 +80,8 @@ def _run_placed(hosts: emulate.EmulatedHosts, placement: list, args: argparse.Na
 
 def _run_on(hosts: emulate.EmulatedHosts, slots: int, args: argparse.Namespace,
             env: dict) -> int:
+    if elastic_run.is_elastic(args):
+        return elastic_run.run_emulated(args, env, hosts, slots, EMULATED_TCP_PORT)
     placement = [hosts[(rank // slots) % len(hosts)] for rank in range(args.np)]
     if not args.restarts:
         return _run_placed(hosts, placement, args, env)

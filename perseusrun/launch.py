@@ -8,7 +8,8 @@
 Everything after the first argument that is not a perseusrun option is the program and its own
 arguments. Each backend is a module (see perseusrun.job): mpi_run (mpirun, this machine or
 -H/--hostfile), tcp_run (--tcp), slurm_run (inside a Slurm allocation), emulated_run
-(--emulate-hosts); supervise watches the job for all of them. This module imports neither
+(--emulate-hosts), elastic_run (--tcp with --min-np/--max-np/--host-discovery-script);
+supervise watches the job for the others. This module imports neither
 TensorFlow nor the native core; only `--check-build` loads them.
 """
 
@@ -23,7 +24,7 @@ from types import ModuleType
 
 import perseus_env
 from perseus_env import LEGACY_KERAS_SET_HERE
-from perseusrun import emulated_run, mpi_run, slurm_run, tcp_run
+from perseusrun import elastic_run, emulated_run, mpi_run, slurm_run, tcp_run
 from perseusrun.emulated_run import EMULATED_TCP_PORT  # noqa: F401 (perseusrun's public names)
 from perseusrun.job import UsageError, parse_hosts  # noqa: F401
 from perseusrun.mpi_run import build_mpirun_command  # noqa: F401
@@ -69,7 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--restarts", type=int, default=0, metavar="K",
                    help="after a lost rank, start the job again (at most K times), without "
                         "its host when --min-np allows; it resumes from the last checkpoint")
-    p.add_argument("--min-np", type=int, metavar="N", help="the fewest ranks the job may continue or restart with (default: -np)")  # noqa: E501
+    p.add_argument("--min-np", type=int, metavar="N",
+                   help="fewest ranks the job may continue with after losing some (default "
+                        "-np); elastic with --tcp")
+    p.add_argument("--max-np", type=int, metavar="N",
+                   help="elastic (--tcp): most ranks the job may grow to as hosts are added "
+                        "(default -np, or every discovered slot with --host-discovery-script)")
+    p.add_argument("--host-discovery-script", metavar="SCRIPT",
+                   help="elastic (--tcp): a command printing the job's hosts, `host:slots` per "
+                        "line; run every second: hosts it adds join and hosts it drops leave "
+                        "at the next commit (with --emulate-hosts: names or indexes of them)")
     p.add_argument("--check-build", action="store_true",
                    help="print which native parts were built and exit")
     p.add_argument("-v", "--verbose", action="store_true", help="print the mpirun command")
@@ -108,7 +118,12 @@ def choose_backend(args: argparse.Namespace, env: dict) -> ModuleType:
     if args.link_rate:
         raise UsageError("--link-rate limits emulated hosts' links: add --emulate-hosts N")
     if slurm_run.in_allocation(args, env):
+        if elastic_run.is_elastic(args):
+            raise UsageError("elastic training (--min-np, --max-np, --host-discovery-script) "
+                             "is not run by Slurm's srun here: use perseusrun --tcp")
         return slurm_run
+    if elastic_run.is_elastic(args):
+        return elastic_run
     return tcp_run if args.tcp else mpi_run
 
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import queue
 import re
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -496,3 +498,43 @@ def assert_resumed(out_dir: Path, start: int, expected: list, ranks: int = 2) ->
                                        err_msg=f"rank {rank}: {name}")
             np.testing.assert_array_equal(values[rank][name], values[0][name],
                                           err_msg=f"rank {rank} differs from rank 0: {name}")
+
+
+# ---- a process's output as it comes ------------------------------------------------------------
+
+def stream_lines(stream) -> queue.Queue:
+    """The stream's lines as they arrive, then None at its end; a test waits with a timeout."""
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def wait_for_line(lines: queue.Queue, text: str, timeout: float, seen: list[str]) -> str:
+    """The first line holding `text` (every line read is appended to `seen`); fails with what
+    was seen when the stream ends or nothing arrives for `timeout` seconds."""
+    while True:
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no line with {text!r} within {timeout} s:\n"
+                                 f"{''.join(seen)}") from None
+        if line is None:
+            raise AssertionError(f"the output ended without a line with {text!r}:\n"
+                                 f"{''.join(seen)}")
+        seen.append(line)
+        if text in line:
+            return line
+
+
+def drain(lines: queue.Queue, timeout: float = 30) -> list[str]:
+    """The rest of the lines, up to the end of the stream."""
+    rest = []
+    while (line := lines.get(timeout=timeout)) is not None:
+        rest.append(line)
+    return rest

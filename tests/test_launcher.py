@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
-from harness import PERSEUSRUN, ROOT, WORKERS, end_processes, exits_within
+from harness import PERSEUSRUN, ROOT, WORKERS, end_processes, exits_within, stream_lines
 
 from perseusrun import launch
 
@@ -215,7 +213,7 @@ def test_timeout_terminates_a_hung_job_with_a_clear_message():
     proc = subprocess.Popen([*LAUNCHER, "-v", "--timeout", "5", "-np", "2", sys.executable, WORKER,
                              "hang"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    lines = _lines(proc.stderr)
+    lines = stream_lines(proc.stderr)
     try:
         line = ""
         while not line.startswith("perseusrun: "):
@@ -234,7 +232,7 @@ def test_timeout_terminates_a_hung_job_with_a_clear_message():
 def test_sigterm_stops_every_rank():
     proc = subprocess.Popen([*LAUNCHER, "-np", "2", sys.executable, WORKER, "hang"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = _lines(proc.stdout)
+    lines = stream_lines(proc.stdout)
     try:
         pids = []
         while len(pids) < 2:
@@ -249,18 +247,6 @@ def test_sigterm_stops_every_rank():
     for pid in pids:
         assert exits_within(pid, 30), f"rank process {pid} outlived the SIGTERM'ed job"
 
-
-def _lines(stream) -> queue.Queue:
-    """The stream's lines as they arrive, then None at its end; a test waits with a timeout."""
-    lines: queue.Queue = queue.Queue()
-
-    def read() -> None:
-        for line in stream:
-            lines.put(line)
-        lines.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
 
 
 @pytest.mark.parametrize("command", [["perseusrun", "--check-build"],

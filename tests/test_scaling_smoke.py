@@ -21,6 +21,7 @@ BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import scaling_model  # noqa: E402 (benchmarks/ is on sys.path only now)
+import scaling_projection  # noqa: E402
 
 
 @pytest.mark.parametrize("model", [*scaling_model.MODELS, scaling_model.TINY])
@@ -31,6 +32,20 @@ def test_profile_times_add_up_to_the_step_and_keep_every_tensor(model):
     assert profile.backward_ms == pytest.approx(2 * profile.forward_ms)
     names = [t["name"] for layer in raw["layers"] for t in layer["tensors"]]
     assert [name for layer in profile.layers for name, _ in layer.tensors] == names
+
+
+def test_projection_fits_the_reference_tcp_rows_within_5_percent_and_falls_with_hosts():
+    rows = scaling_projection.load_rows(scaling_projection.REFERENCE)
+    link = 125e6  # the reference run's 1 Gbit/s
+    constants = scaling_projection.fit(rows, 1 / 25, link)
+    checks = scaling_projection.predictions(rows, constants, 1 / 25, link,
+                                            {scaling_projection.CALIBRATION_SYSTEM})
+    assert len(checks) == 6, checks  # resnet101 and vgg16 on 2, 4 and 8 hosts
+    for row, predicted, measured in checks:
+        assert abs(predicted - measured) / measured < 0.05, (row, predicted, measured)
+    projected = scaling_projection.project(constants, ["vgg16"], 25 * link)
+    efficiencies = [p["efficiency"] for p in projected]
+    assert efficiencies == sorted(efficiencies, reverse=True) and 0 < efficiencies[-1] < 1
 
 
 def test_bounds_have_no_link_time_on_one_host_and_some_on_two():

@@ -12,10 +12,10 @@ skipped with the reason. Every cluster is started by the test that uses it and s
 from __future__ import annotations
 
 import os
-import queue
+import re
 import subprocess
 import sys
-import threading
+import time
 
 import pytest
 from harness import (
@@ -26,11 +26,13 @@ from harness import (
     assert_ranks_match_reference,
     assert_resumed,
     assert_whole_checkpoints,
+    drain,
     failure_summary,
     finish_reference,
     launch_env,
     load_values,
     start_reference,
+    stream_lines,
     trajectory,
 )
 
@@ -291,39 +293,57 @@ def test_perseusrun_in_a_bad_allocation_exits_2_naming_it(capsys, monkeypatch):
 
 
 @needs_slurm
-def test_srun_without_mpi_estimator_run_config_and_train_and_evaluate_like_one_process(
+def test_the_estimator_under_srun_with_and_without_mpi_and_perseusrun_like_one_process(
         cluster, tmp_path):
     """tests/workers/est_distributed.py (custom model_fn with and without estimator_hooks(), a
     DNNClassifier, retraining from rank 0's checkpoint, train_and_evaluate with rank 0
-    evaluating) under srun without MPI: every rank's variables equal the single-process
-    reference's and each other's, rank 0's checkpoint too."""
+    evaluating) as three steps of one sbatch job on 2 nodes x 1 task (the Estimator is
+    costly: the other tests place 2 tasks per node): `srun` without MPI (the TCP transport from
+    Slurm's variables), `srun --mpi=pmix` (MPI through Slurm's PMIx) and `perseusrun` with no
+    -H (mpirun on the allocation). Every rank of each equals the one-process reference."""
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     reference = start_reference(ESTIMATOR, reference_dir, "reference")
-    out = cluster.directory / "estimator"
-    out.mkdir()
+    steps = {"tcp": "srun --mpi=none --kill-on-bad-exit=1",
+             "pmix": "srun --mpi=pmix --kill-on-bad-exit=1",
+             "perseusrun": f"exec {PERSEUSRUN} --timeout {ESTIMATOR_TIMEOUT - 60}"}
+    outs = {step: cluster.directory / f"estimator-{step}" for step in steps}
+    program = f"{sys.executable} {ROOT / ESTIMATOR}"
+    script = cluster.directory / "estimator.sh"
+    script.write_text("#!/bin/sh\n" + "".join(
+        f"{launch} {program} {outs[step]} distributed{'' if step == 'perseusrun' else ' || exit 1'}"
+        "\n" for step, launch in steps.items()))
+    for out in outs.values():
+        out.mkdir()
+    output = cluster.directory / "estimator.out"
     try:
-        run_on_login_node(cluster, srun(sys.executable, ROOT / ESTIMATOR, out, "distributed"),
+        run_on_login_node(cluster, ["sbatch", "--wait", "-N2", "--ntasks-per-node=1",
+                                    f"--output={output}", str(script)],
                           env={"PERSEUS_SECRET": SECRET}, timeout=ESTIMATOR_TIMEOUT)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n--- the job's output:\n"
+                             f"{output.read_text() if output.exists() else ''}") from None
     finally:
         expected = finish_reference(reference, reference_dir)
-    assert_ranks_match_reference([load_values(out / f"rank{r}.npz") for r in range(4)], expected)
+    for out in outs.values():
+        assert_ranks_match_reference([load_values(out / f"rank{r}.npz") for r in range(2)],
+                                     expected)
 
 
 @needs_slurm
 def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_checkpoint(
         cluster, checkpoint_worker):
     """An Estimator job with PreemptionHook gets `scancel --signal=USR1` mid-training: every
-    rank stops after the same step and exits 0 saying so, rank 0's checkpoint of that step is
-    whole (no temporary files, the `checkpoint` file names it), and a rerun resumes from it
-    and ends where one uninterrupted process on the global batch ends."""
+    rank stops after the same step and exits 0 saying so, and rank 0's checkpoint of that step
+    is whole (no temporary files, the `checkpoint` file names it) and equal to one
+    uninterrupted run's at that step. (Resuming from such a checkpoint is the requeue test's.)"""
     worker, tf = checkpoint_worker
     model_dir = cluster.directory / "model"
     env = {"PERSEUS_SECRET": SECRET}
     argv = srun(sys.executable, ROOT / "tests" / "workers" / "slurm_preempt.py", model_dir)
     job = subprocess.Popen(cluster.command(argv), env=cluster.env(launch_env(env)), cwd=ROOT,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = _lines(job.stdout)
+    lines = stream_lines(job.stdout)
     seen: list[str] = []
     try:
         while sum("waiting for the preemption signal" in line for line in seen) < 4:
@@ -333,12 +353,12 @@ def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_c
         job_id = run_on_login_node(cluster, ["squeue", "--noheader", "--format=%i"]).split()
         assert len(job_id) == 1, job_id
         run_on_login_node(cluster, ["scancel", "--signal=USR1", job_id[0]])
-        assert job.wait(timeout=JOB_TIMEOUT) == 0, "".join(seen) + "".join(_drain(lines))
+        assert job.wait(timeout=JOB_TIMEOUT) == 0, "".join(seen) + "".join(drain(lines))
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
-    out = "".join(seen + _drain(lines))
+    out = "".join(seen + drain(lines))
     stop = PREEMPTED_STEP
     for rank in range(4):
         assert f"[rank {rank}] PREEMPTED by SIGUSR1 at step {stop}" in out, out
@@ -348,28 +368,90 @@ def test_scancel_signal_mid_training_stops_every_rank_at_one_step_with_a_whole_c
     assert not [f for f in os.listdir(model_dir) if "temp" in f], os.listdir(model_dir)
     assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, stop], expected)
 
+
+def poll(what: str, check, timeout: float, context) -> object:
+    """check()'s first true answer, asked every 0.2 s; fails after `timeout` seconds saying
+    `what` and context()."""
+    deadline = time.monotonic() + timeout
+    while not (answer := check()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s\n{context()}")
+        time.sleep(0.2)  # the polling interval, not a synchronisation
+    return answer
+
+
+def job_field(cluster: emulate_slurm.SlurmCluster, job_id: str, field: str) -> str:
+    """One field (JobState, Restarts, ...) of `scontrol show job`."""
+    out = run_on_login_node(cluster, ["scontrol", "show", "job", job_id], timeout=60)
+    found = re.search(rf"\b{field}=(\S+)", out)
+    assert found, out
+    return found.group(1)
+
+
+@needs_slurm
+def test_the_time_limit_sigterm_checkpoints_like_scancel_and_the_requeued_job_resumes(
+        cluster, checkpoint_worker):
+    """An `sbatch --requeue` job (2 nodes x 1 task) has its time limit end (`EndTime=now`)
+    once every rank waits mid-training: Slurm's SIGTERM at the time limit stops every rank
+    after the same step, each saying so, with rank 0's whole checkpoint of that step. Requeued
+    (`scontrol requeuehold`, a longer time limit and a start of now, `scontrol release`), the
+    job runs its batch script again (SLURM_RESTART_COUNT=1): it resumes from that checkpoint and
+    ends where one uninterrupted run on the global batch ends."""
+    worker, tf = checkpoint_worker
+    model_dir = cluster.directory / "model"
     rerun = cluster.directory / "rerun"
     rerun.mkdir()
-    run_on_login_node(cluster, srun(sys.executable, ROOT / CHECKPOINT_WORKER, model_dir, rerun,
-                                    "resume"), env=env)
-    assert_resumed(rerun, stop, expected, ranks=4)
+    output = cluster.directory / "requeue.out"
+    script = cluster.directory / "requeue.sh"
+    preempt = ROOT / "tests" / "workers" / "slurm_preempt.py"
+    script.write_text(
+        "#!/bin/sh\n"
+        'echo "run ${SLURM_RESTART_COUNT:-0} of job $SLURM_JOB_ID"\n'
+        'if [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then\n'
+        f"  exec srun --kill-on-bad-exit=1 {sys.executable} {preempt} {model_dir}\n"
+        "fi\n"
+        f"exec srun --kill-on-bad-exit=1 {sys.executable} {ROOT / CHECKPOINT_WORKER} "
+        f"{model_dir} {rerun} resume\n")
+    submitted = run_on_login_node(
+        cluster, ["sbatch", "--parsable", "--requeue", "--open-mode=append", "--time=10",
+                  "-N2", "--ntasks-per-node=1", f"--output={output}", str(script)],
+        env={"PERSEUS_SECRET": SECRET}, timeout=60)
+    job_id = submitted.strip().split(";")[0]
 
+    def job_output() -> str:
+        return output.read_text() if output.exists() else ""
 
-def _lines(stream) -> queue.Queue:
-    """The stream's lines as they arrive, then None at its end."""
-    found: queue.Queue = queue.Queue()
+    def context() -> str:
+        return f"--- the job's output:\n{job_output()}\n{cluster.logs()}"
 
-    def read() -> None:
-        for line in stream:
-            found.put(line)
-        found.put(None)
+    poll("every rank waiting mid-training",
+         lambda: job_output().count("waiting for the preemption signal") == 2, JOB_TIMEOUT,
+         context)
+    # The time limit ends now; slurmctld enforces limits every 30 s (TimeLimit counts minutes
+    # from the job's start, which would add up to a minute more).
+    run_on_login_node(cluster, ["scontrol", "update", f"JobId={job_id}", "EndTime=now"],
+                      timeout=60)
+    poll("the job ended by its time limit",
+         lambda: job_field(cluster, job_id, "JobState") == "TIMEOUT", JOB_TIMEOUT, context)
+    first = job_output()
+    stop = PREEMPTED_STEP
+    assert "DUE TO TIME LIMIT" in first, context()
+    for rank in range(2):
+        assert f"[rank {rank}] PREEMPTED by SIGTERM at step {stop}" in first, context()
+        assert f"perseus_legacy[rank {rank}]: preempted by SIGTERM: training stopped on every " \
+               f"rank after global step {stop}" in first, context()
+    expected = trajectory(worker)
+    assert not [f for f in os.listdir(model_dir) if "temp" in f], os.listdir(model_dir)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, stop], expected)
 
-    threading.Thread(target=read, daemon=True).start()
-    return found
-
-
-def _drain(lines: queue.Queue) -> list[str]:
-    rest = []
-    while (line := lines.get(timeout=30)) is not None:
-        rest.append(line)
-    return rest
+    # Requeued held, so that the rerun gets its time back before it starts, and now rather than
+    # after the 2 minutes Slurm waits before it starts a requeued job again.
+    run_on_login_node(cluster, ["scontrol", "requeuehold", job_id], timeout=60)
+    run_on_login_node(cluster, ["scontrol", "update", f"JobId={job_id}", "TimeLimit=10",
+                                "StartTime=now"], timeout=60)
+    run_on_login_node(cluster, ["scontrol", "release", job_id], timeout=60)
+    poll("the requeued job's completion",
+         lambda: job_field(cluster, job_id, "JobState") == "COMPLETED", JOB_TIMEOUT, context)
+    assert job_field(cluster, job_id, "Restarts") == "1", context()
+    assert f"run 1 of job {job_id}" in job_output(), context()
+    assert_resumed(rerun, stop, expected, ranks=2)

@@ -16,7 +16,7 @@ import sys
 from hashlib import sha256
 
 import pytest
-from harness import ROOT, WORKERS, finish, rank_env, task_env, worker_module
+from harness import ROOT, WORKERS, finish, rank_env, run_ranks, task_env, worker_module
 
 from perseus_legacy.common import tf_config
 from perseusrun import launch
@@ -140,10 +140,12 @@ def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
             verdict = IMPOSTOR.read_exactly(sock, 1)
             answer = IMPOSTOR.read_exactly(sock, 32)
         header, nonce = message[:12], message[12:12 + IMPOSTOR.NONCE_BYTES]
-        rank0_nonce = hello[len(IMPOSTOR.MAGIC) + 4:]
-        expected = hmac.new(secret, b"perseus-accept" + nonce + rank0_nonce +
-                            struct.pack("<III", 0, 1, 0), sha256).digest()
+        expected = hmac.new(secret, b"perseus-accept" + nonce + IMPOSTOR.hello_nonce(hello) +
+                            struct.pack("<III", 0, 1, 0) + IMPOSTOR.job_digest(hello),
+                            sha256).digest()
         assert header == struct.pack("<III", 1, 0, 2)
+        job = "".join(address + "\n" for address in addresses).encode()
+        assert IMPOSTOR.job_digest(hello) == sha256(b"perseus-job\n" + job).digest()
         assert (verdict, answer) == (b"\x01", expected)
         sock, hello = IMPOSTOR.connect_when_listening(addresses[0], timeout=30)
         with sock:  # rank 1's control channel, with a forged HMAC
@@ -161,6 +163,24 @@ def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
     assert rank0.returncode == 3 and "INIT FAILED" in out, out
     assert re.search(r"perseus_legacy\[rank 0\]: refused a connection from 127\.0\.0\.1:\d+: "
                      r"authentication failed: it does not know this job's secret", out), out
+
+
+@pytest.mark.parametrize("forged,error", [
+    ("abort", r"sent control frame \d+ with a MAC that does not match its connection's key: the "
+              r"frame was altered or injected on the way"),
+    ("length", r"sent a control frame of 1073741824 bytes, beyond the limit of 67108864 bytes"),
+], ids=["forged abort notice", "header announcing 1 GiB"])
+def test_a_control_frame_injected_into_a_connection_fails_the_job_naming_the_peer(forged, error):
+    """Rank 1 writes a forged frame into its control connection to rank 0, as a party on the
+    path could: an abort notice without the connection's MAC, or a header announcing 1 GiB.
+    Rank 0 acts on nothing of it and fails the job at once naming rank 1; the forged text
+    reaches no rank."""
+    out = run_ranks(2, "tests/workers/tcp_forge.py", forged, controller="tcp", timeout=120).stdout
+    for rank in (0, 1):
+        refused = re.search(rf"\[rank {rank}\] REFUSED: (.*)", out)
+        assert refused, out
+        assert re.search(r"rank 1 \(127\.0\.0\.1:\d+\) " + error, refused.group(1)), out
+    assert "INJECTED" not in out, out
 
 
 # ---- tasks started by hand with TF_CONFIG ----------------------------------------------------

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "common/common.h"
+#include "runtime/message.h"
 #include "runtime/runtime.h"
 
 namespace py = pybind11;
@@ -462,6 +463,29 @@ PYBIND11_MODULE(_core, m) {
         return sets;
       },
       "{id: ranks} of every registered process set; empty before init().");
+
+  m.def(
+      "_wire_decode",
+      [](const std::string& which, const py::bytes& data) -> py::object {
+        const std::string bytes = data;
+        std::string again;
+        if (which == "requests") {
+          RequestList list;
+          if (!Deserialize(bytes, &list)) return py::none();
+          again = Serialize(list);
+        } else if (which == "responses") {
+          ResponseList list;
+          if (!Deserialize(bytes, &list)) return py::none();
+          again = Serialize(list);
+        } else {
+          throw py::value_error("which must be \"requests\" or \"responses\", not \"" + which +
+                                "\"");
+        }
+        return py::bytes(again);
+      },
+      py::arg("which"), py::arg("data"),
+      "For tests of the wire format: `data` decoded as a RequestList (\"requests\") or a "
+      "ResponseList (\"responses\") and encoded again, or None when it is malformed.");
 
   // Leaving the group at interpreter exit lets the other ranks fail fast instead of waiting.
   py::module_::import("atexit").attr("register")(

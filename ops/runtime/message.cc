@@ -1,4 +1,6 @@
 // Serialize / Deserialize of the negotiation messages: the one wire format of the control plane.
+// Deserialize checks every field it reads: enums against their values, counts against the bytes
+// that remain, sizes and ranks against being negative; anything else is malformed.
 #include "runtime/message.h"
 
 #include <cstring>
@@ -51,14 +53,30 @@ class Reader {
     pos_ += n;
     return s;
   }
+  // A list of sizes, ranks or dimensions: none may be negative.
   std::vector<int64_t> GetInts() {
     uint32_t n = Get<uint32_t>();
     if (!Need(static_cast<size_t>(n) * sizeof(int64_t))) return {};
     std::vector<int64_t> v(n);
     if (n) std::memcpy(v.data(), in_.data() + pos_, n * sizeof(int64_t));
     pos_ += n * sizeof(int64_t);
+    for (int64_t value : v) Check(value >= 0);
     return v;
   }
+  // An enum whose values run from 0 to `last`.
+  template <typename E>
+  E GetEnum(E last) {
+    const auto raw = Get<std::underlying_type_t<E>>();
+    Check(raw <= static_cast<std::underlying_type_t<E>>(last));
+    return static_cast<E>(raw);
+  }
+  // A count of items that each take at least `min_bytes`: never more than the bytes left hold.
+  uint32_t GetCount(size_t min_bytes) {
+    const uint32_t n = Get<uint32_t>();
+    Check(static_cast<size_t>(n) * min_bytes <= in_.size() - pos_);
+    return ok_ ? n : 0;
+  }
+  void Check(bool condition) { ok_ = ok_ && condition; }
 
  private:
   bool Need(size_t n) {
@@ -69,6 +87,11 @@ class Reader {
   size_t pos_ = 0;
   bool ok_ = true;
 };
+
+// The fewest bytes one serialized RequestMeta / Response takes (empty strings and lists), so a
+// count that claims more items than the bytes left could hold is malformed before any is read.
+constexpr size_t kMinRequestBytes = 4 + 3 + 4 + 8 + 8 + 4 + 4 + 4;
+constexpr size_t kMinResponseBytes = 1 + 4 + 2 + 4 + 8 + 8 + 4 + 4 + 4 + 4 + 4;
 
 }  // namespace
 
@@ -104,19 +127,20 @@ std::string Serialize(const RequestList& list) {
 bool Deserialize(const std::string& bytes, RequestList* list) {
   Reader r(bytes);
   const uint8_t flags = r.Get<uint8_t>();
+  r.Check(flags <= 3);
   list->shutting_down = (flags & 1) != 0;
   list->joined = (flags & 2) != 0;
-  list->set_change = r.Get<SetChange>();
+  list->set_change = r.GetEnum(SetChange::kRemove);
   list->set_ranks = r.GetInts();
   list->set_id = r.Get<int32_t>();
-  uint32_t n = r.Get<uint32_t>();
+  uint32_t n = r.GetCount(kMinRequestBytes);
   list->requests.clear();
   for (uint32_t i = 0; i < n && r.ok(); ++i) {
     RequestMeta m;
     m.name = r.GetString();
-    m.type = r.Get<CollectiveType>();
-    m.dtype = r.Get<DataType>();
-    m.reduce_op = r.Get<ReduceOp>();
+    m.type = r.GetEnum(CollectiveType::kAlltoall);
+    m.dtype = r.GetEnum(DataType::kUInt16);
+    m.reduce_op = r.GetEnum(ReduceOp::kProduct);
     m.root_rank = r.Get<int32_t>();
     m.prescale_factor = r.Get<double>();
     m.postscale_factor = r.Get<double>();
@@ -152,16 +176,18 @@ std::string Serialize(const ResponseList& list) {
 
 bool Deserialize(const std::string& bytes, ResponseList* list) {
   Reader r(bytes);
-  list->progress = r.Get<uint8_t>() != 0;
-  uint32_t n = r.Get<uint32_t>();
+  const uint8_t progress = r.Get<uint8_t>();
+  r.Check(progress <= 1);
+  list->progress = progress != 0;
+  uint32_t n = r.GetCount(kMinResponseBytes);
   list->responses.clear();
   for (uint32_t i = 0; i < n && r.ok(); ++i) {
     Response resp;
-    resp.type = r.Get<ResponseType>();
-    uint32_t names = r.Get<uint32_t>();
+    resp.type = r.GetEnum(kLastResponseType);
+    uint32_t names = r.GetCount(sizeof(uint32_t));
     for (uint32_t j = 0; j < names && r.ok(); ++j) resp.names.push_back(r.GetString());
-    resp.dtype = r.Get<DataType>();
-    resp.reduce_op = r.Get<ReduceOp>();
+    resp.dtype = r.GetEnum(DataType::kUInt16);
+    resp.reduce_op = r.GetEnum(ReduceOp::kProduct);
     resp.root_rank = r.Get<int32_t>();
     resp.prescale_factor = r.Get<double>();
     resp.postscale_factor = r.Get<double>();

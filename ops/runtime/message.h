@@ -56,6 +56,8 @@ enum class ResponseType : uint8_t {
   kProcessSetAdded = 8,
   kProcessSetRemoved = 9,
 };
+// The highest ResponseType: Deserialize refuses any above it (move it when adding one).
+constexpr ResponseType kLastResponseType = ResponseType::kProcessSetRemoved;
 
 struct Response {
   ResponseType type = ResponseType::kAllreduce;
@@ -91,7 +93,8 @@ struct ResponseList {
 
 std::string Serialize(const RequestList& list);
 std::string Serialize(const ResponseList& list);
-// Both return false on truncated or malformed bytes.
+// Both return false on truncated or malformed bytes: a field beyond its enum, a negative size,
+// rank or dimension, a count beyond the bytes that remain, or bytes left over.
 bool Deserialize(const std::string& bytes, RequestList* list);
 bool Deserialize(const std::string& bytes, ResponseList* list);
 

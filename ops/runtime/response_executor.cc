@@ -59,6 +59,32 @@ int64_t NowIf(bool timed) { return timed ? Timeline::NowMicros() : 0; }
 
 }  // namespace
 
+bool CoveredOnSingleRank(const CollectiveRequest& request) {
+  return request.type == CollectiveType::kAllreduce ||
+         (request.type == CollectiveType::kBroadcast && request.root_rank == 0);
+}
+
+void CompleteOnSingleRank(const CollectiveRequest& request) {
+  const int64_t count = NumElements(request.shape);
+  const size_t bytes = static_cast<size_t>(count) * DataTypeSize(request.dtype);
+  if (request.type == CollectiveType::kBroadcast) {
+    CopyBytes(request.output, request.input, bytes);
+    return;
+  }
+  // Sum, Average (over one rank), Min, Max, Product: all the input itself. The scale factors
+  // apply as in Allreduce: prescale on the way in, postscale on the way out.
+  const void* src = request.input;
+  if (request.prescale_factor != 1.0) {
+    ScaleBuffer(request.dtype, src, request.output, count, request.prescale_factor);
+    src = request.output;
+  }
+  if (request.postscale_factor != 1.0) {
+    ScaleBuffer(request.dtype, src, request.output, count, request.postscale_factor);
+  } else {
+    CopyBytes(request.output, src, bytes);
+  }
+}
+
 Status ResponseExecutor::Run(const Response& response,
                              const std::vector<CollectiveRequest*>& entries, Status* op) {
   CollectiveRequest* entry = entries.empty() ? nullptr : entries.front();

@@ -16,6 +16,15 @@
 
 namespace perseus {
 
+// Whether CompleteOnSingleRank covers `request`: an allreduce, or a broadcast from rank 0. The
+// others (allgather, alltoall, a broadcast from another root) take the ordinary path, whose
+// output allocation or errors they need.
+bool CoveredOnSingleRank(const CollectiveRequest& request);
+// The result of a covered `request` in a job of a single rank, where every collective is this
+// rank's own data: an allreduce scales its input into its output, a broadcast copies it. Runs on
+// the caller's thread with no negotiation or transport (the runtime's one-rank short cut).
+void CompleteOnSingleRank(const CollectiveRequest& request);
+
 class ResponseExecutor {
  public:
   ResponseExecutor(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,

@@ -43,7 +43,9 @@ std::vector<std::pair<std::string, bool>> Transports();
 // The transport of the current (or, after Shutdown, the last) Init; "" before the first.
 std::string ControllerName();
 
-// Hands a request to the background thread; never blocks on communication.
+// Hands a request to the background thread; never blocks on communication. In a job of one
+// rank an allreduce, or a broadcast from rank 0, of the global set completes at once instead:
+// its `done` runs on the calling thread before Enqueue returns (not while a timeline runs).
 // Returns an error (and does not call done) if the runtime is not initialized or has shut down,
 // or if a request with the same name is already pending on this rank.
 Status Enqueue(CollectiveRequest request);

@@ -13,6 +13,10 @@
 
 namespace perseus {
 
+// The largest control-plane message (one rank's requests or the coordinator's answer) a transport
+// sends or accepts. A length above it is refused before anything is allocated for it.
+constexpr uint64_t kMaxControlMessageBytes = uint64_t{64} << 20;
+
 class Controller {
  public:
   virtual ~Controller() = default;
@@ -28,7 +32,7 @@ class Controller {
   // How long a wait on other ranks may last before a warning naming the ranks that do not
   // answer (`warning_secs`) and before the wait fails (`shutdown_secs`); <= 0: never. The
   // runtime passes PERSEUS_STALL_WARNING_SECS / PERSEUS_STALL_SHUTDOWN_SECS once after set-up.
-  // A transport with its own bound (TCP: kPeerSilenceSecs) may ignore them.
+  // TCP waits for a silent peer at most kPeerSilenceSecs, or `shutdown_secs` when shorter.
   virtual void SetWaitLimits(double /*warning_secs*/, double /*shutdown_secs*/) {}
 
   // Control plane. Collective: every rank calls each once per negotiation round.

@@ -441,6 +441,11 @@ Status MpiController::GatherToCoordinator(const std::string& mine,
     const char* slot = gather_slots_.data() + kSlotBytes * r;
     uint64_t n = 0;
     std::memcpy(&n, slot, kHeaderBytes);
+    if (n > kMaxControlMessageBytes) {
+      return Status::Error("perseus_legacy: rank " + std::to_string(r) + " announced a control "
+                           "message of " + std::to_string(n) + " bytes, beyond the limit of " +
+                           std::to_string(kMaxControlMessageBytes) + " bytes");
+    }
     std::string& bytes = (*all)[r];
     bytes.assign(slot + kHeaderBytes, std::min<size_t>(n, kSlotPayload));
     if (n <= kSlotPayload) continue;
@@ -491,6 +496,11 @@ Status MpiController::BroadcastFromCoordinator(std::string* bytes) {
   if (!s.ok()) return s;
   uint64_t length = 0;
   std::memcpy(&length, slot_.data(), kHeaderBytes);
+  if (length > kMaxControlMessageBytes) {
+    return Status::Error("perseus_legacy: the coordinator announced an answer of " +
+                         std::to_string(length) + " bytes, beyond the limit of " +
+                         std::to_string(kMaxControlMessageBytes) + " bytes");
+  }
   bytes->assign(slot_.data() + kHeaderBytes, std::min<size_t>(length, kSlotPayload));
   bytes->resize(length);
   if (length <= kSlotPayload) return Status::OK();

@@ -1,4 +1,5 @@
-// SHA-256, HMAC-SHA-256 and nonces for the TCP handshake (tcp_rendezvous.cc).
+// SHA-256, HMAC-SHA-256 and nonces for the TCP handshake (tcp_rendezvous.cc) and control frames
+// (tcp_control.cc).
 #include "transport/tcp_auth.h"
 
 #include <sys/random.h>
@@ -64,21 +65,24 @@ void CompressBlock(const uint8_t* block, uint32_t state[8]) {
 
 constexpr size_t kBlockBytes = 64;
 
-}  // namespace
+constexpr uint32_t kInitialState[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                                       0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
 
-Digest Sha256(const std::string& message) {
-  uint32_t state[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                       0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-  // The message, a 1 bit, zeros, and the bit length as a big-endian 64-bit number.
-  std::string padded = message;
-  padded.push_back(static_cast<char>(0x80));
-  while (padded.size() % kBlockBytes != kBlockBytes - 8) padded.push_back('\0');
-  const uint64_t bits = static_cast<uint64_t>(message.size()) * 8;
-  for (int shift = 56; shift >= 0; shift -= 8) {
-    padded.push_back(static_cast<char>((bits >> shift) & 0xff));
-  }
-  for (size_t offset = 0; offset < padded.size(); offset += kBlockBytes) {
-    CompressBlock(reinterpret_cast<const uint8_t*>(padded.data() + offset), state);
+// The digest of `prefix_bytes` already compressed into `state` followed by `data`: its whole
+// blocks, then the tail with a 1 bit, zeros and the total bit length (big-endian 64-bit).
+Digest Finish(uint32_t state[8], uint64_t prefix_bytes, const char* data, size_t size) {
+  const auto* bytes = reinterpret_cast<const uint8_t*>(data);
+  size_t offset = 0;
+  for (; offset + kBlockBytes <= size; offset += kBlockBytes) CompressBlock(bytes + offset, state);
+  uint8_t tail[2 * kBlockBytes] = {};
+  const size_t rest = size - offset;
+  std::memcpy(tail, bytes + offset, rest);
+  tail[rest] = 0x80;
+  const size_t tail_bytes = rest + 1 + 8 <= kBlockBytes ? kBlockBytes : 2 * kBlockBytes;
+  const uint64_t bits = (prefix_bytes + size) * 8;
+  for (int i = 0; i < 8; ++i) tail[tail_bytes - 1 - i] = static_cast<uint8_t>(bits >> (8 * i));
+  for (size_t block = 0; block < tail_bytes; block += kBlockBytes) {
+    CompressBlock(tail + block, state);
   }
   Digest digest;
   for (int i = 0; i < 8; ++i) {
@@ -87,20 +91,42 @@ Digest Sha256(const std::string& message) {
   return digest;
 }
 
-Digest HmacSha256(const std::string& key, const std::string& message) {
+}  // namespace
+
+Digest Sha256(const std::string& message) {
+  uint32_t state[8];
+  std::memcpy(state, kInitialState, sizeof(state));
+  return Finish(state, 0, message.data(), message.size());
+}
+
+HmacKey::HmacKey(const std::string& key) {
   std::string block_key = key;
   if (block_key.size() > kBlockBytes) {
     const Digest hashed = Sha256(block_key);
     block_key.assign(hashed.begin(), hashed.end());
   }
   block_key.resize(kBlockBytes, '\0');
-  std::string inner(kBlockBytes, '\0'), outer(kBlockBytes, '\0');
+  uint8_t inner[kBlockBytes], outer[kBlockBytes];
   for (size_t i = 0; i < kBlockBytes; ++i) {
-    inner[i] = static_cast<char>(block_key[i] ^ 0x36);
-    outer[i] = static_cast<char>(block_key[i] ^ 0x5c);
+    inner[i] = static_cast<uint8_t>(block_key[i] ^ 0x36);
+    outer[i] = static_cast<uint8_t>(block_key[i] ^ 0x5c);
   }
-  const Digest inner_digest = Sha256(inner + message);
-  return Sha256(outer + std::string(inner_digest.begin(), inner_digest.end()));
+  std::memcpy(inner_, kInitialState, sizeof(inner_));
+  std::memcpy(outer_, kInitialState, sizeof(outer_));
+  CompressBlock(inner, inner_);
+  CompressBlock(outer, outer_);
+}
+
+Digest HmacKey::Mac(const std::string& message) const {
+  uint32_t state[8];
+  std::memcpy(state, inner_, sizeof(state));
+  const Digest inner = Finish(state, kBlockBytes, message.data(), message.size());
+  std::memcpy(state, outer_, sizeof(state));
+  return Finish(state, kBlockBytes, reinterpret_cast<const char*>(inner.data()), inner.size());
+}
+
+Digest HmacSha256(const std::string& key, const std::string& message) {
+  return HmacKey(key).Mac(message);
 }
 
 bool DigestsEqual(const Digest& a, const Digest& b) {

@@ -1,12 +1,18 @@
-// The TCP transport's control plane: length-prefixed frames between rank 0 and every other rank
-// (negotiation messages, and abort notices that carry the first failure to every rank), and
-// what happens when a peer is lost.
+// The TCP transport's control plane: authenticated, length-prefixed frames between rank 0 and
+// every other rank (negotiation messages, and abort notices that carry the first failure to every
+// rank), and what happens when a peer is lost.
+//
+// A frame: kind (u32), reserved (u32), payload length (u64), payload, then an HMAC-SHA-256 of the
+// sender's and receiver's ranks, the frame's sequence number on its connection, the header and the
+// payload, keyed by that connection's handshake (TcpController::ControlKey). The length is checked
+// against kMaxControlMessageBytes before anything waits for the payload.
 #include <poll.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
 
+#include "transport/tcp_auth.h"
 #include "transport/tcp_controller.h"
 
 namespace perseus {
@@ -15,19 +21,89 @@ namespace {
 constexpr uint32_t kFrameMessage = 1;
 constexpr uint32_t kFrameAbort = 2;
 constexpr size_t kFrameHeaderBytes = 16;  // kind (u32), reserved (u32), length (u64)
-constexpr uint64_t kMaxFrameBytes = uint64_t{1} << 31;
+constexpr size_t kFrameMacBytes = 32;
+// Messages a peer may have sent ahead of this rank's reading them; the protocol needs two.
+constexpr size_t kMaxQueuedMessages = 16;
 
-std::string Frame(uint32_t kind, const std::string& payload) {
-  std::string out = U32(kind) + U32(0);
-  const uint64_t length = payload.size();
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((length >> (8 * i)) & 0xff));
-  return out + payload;
+std::string U64(uint64_t value) { return U32(value & 0xffffffffu) + U32(value >> 32); }
+
+Digest FrameMac(const HmacKey& key, int sender, int receiver, uint64_t sequence,
+                const char* frame, size_t bytes) {
+  return key.Mac(U32(sender) + U32(receiver) + U64(sequence) + std::string(frame, bytes));
+}
+
+// A message this rank may not send (kMaxControlMessageBytes), named before anything is sent.
+Status TooLarge(const char* what, size_t bytes) {
+  return Status::Error(std::string("perseus_legacy: ") + what + " of " + std::to_string(bytes) +
+                       " bytes exceeds the control plane's limit of " +
+                       std::to_string(kMaxControlMessageBytes) + " bytes (too many tensors "
+                       "negotiated at once?)");
 }
 
 }  // namespace
 
+std::string TcpController::Seal(int peer, uint32_t kind, const std::string& payload) {
+  Peer& p = peers_[peer];
+  std::string frame = U32(kind) + U32(0) + U64(payload.size()) + payload;
+  const Digest mac = FrameMac(p.control_key, options_.rank, peer, p.frames_sent++, frame.data(),
+                              frame.size());
+  return frame.append(mac.begin(), mac.end());
+}
+
 void TcpController::QueueMessage(int peer, const std::string& message) {
-  peers_[peer].outbox += Frame(kFrameMessage, message);
+  peers_[peer].outbox += Seal(peer, kFrameMessage, message);
+}
+
+// The complete frames at the front of `peer`'s inbox: messages are queued, an abort notice ends
+// the taking (kAbort, `text`: the notice). A frame whose MAC does not match (altered, injected,
+// replayed or out of order), an unknown kind or a length beyond the limit: kBad, `text` says
+// which; nothing of it is acted on.
+TcpController::Pumped TcpController::TakeFrames(int peer, std::string* text) {
+  Peer& p = peers_[peer];
+  size_t taken = 0;
+  Pumped result = Pumped::kOk;
+  while (p.inbox.size() - taken >= kFrameHeaderBytes) {
+    const char* frame = p.inbox.data() + taken;
+    const uint32_t kind = ReadU32(frame);
+    const uint64_t length = ReadU32(frame + 8) | (uint64_t{ReadU32(frame + 12)} << 32);
+    if (kind != kFrameMessage && kind != kFrameAbort) {
+      *text = "sent a malformed control frame (kind " + std::to_string(kind) + ")";
+      return Pumped::kBad;
+    }
+    if (length > kMaxControlMessageBytes) {
+      *text = "sent a control frame of " + std::to_string(length) + " bytes, beyond the limit of " +
+              std::to_string(kMaxControlMessageBytes) + " bytes";
+      return Pumped::kBad;
+    }
+    const size_t whole = kFrameHeaderBytes + length + kFrameMacBytes;
+    if (p.inbox.size() - taken < whole) break;
+    Digest got;
+    std::copy(frame + whole - kFrameMacBytes, frame + whole, got.begin());
+    const Digest expected = FrameMac(p.control_key, peer, options_.rank, p.frames_received,
+                                     frame, whole - kFrameMacBytes);
+    if (!DigestsEqual(got, expected)) {
+      *text = "sent control frame " + std::to_string(p.frames_received) + " with a MAC that " +
+              "does not match its connection's key: the frame was altered or injected on the " +
+              "way, and nothing of it was used";
+      return Pumped::kBad;
+    }
+    ++p.frames_received;
+    std::string payload(frame + kFrameHeaderBytes, length);
+    taken += whole;
+    if (kind == kFrameAbort) {
+      *text = std::move(payload);
+      result = Pumped::kAbort;
+      break;
+    }
+    if (p.messages.size() >= kMaxQueuedMessages) {
+      *text = "sent more than " + std::to_string(kMaxQueuedMessages) +
+              " control messages ahead of this rank";
+      return Pumped::kBad;
+    }
+    p.messages.push_back(std::move(payload));
+  }
+  p.inbox.erase(0, taken);
+  return result;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -45,39 +121,25 @@ std::vector<int> TcpController::ControlPeers() const {
 // pumping (`text` gets the notice). A closed socket does too (`text`: why), but only once every
 // complete message that came before the end has been taken: one read may bring a final answer
 // together with the end of the stream, and the answer is what the rank must act on.
+// Frames are taken after every read, so the inbox never holds more than one frame in progress and
+// one read.
 TcpController::Pumped TcpController::Pump(int peer, std::string* text) {
   Peer& p = peers_[peer];
   char buffer[64 << 10];
-  while (p.closed.empty()) {
+  while (true) {
+    const Pumped taken = TakeFrames(peer, text);
+    if (taken != Pumped::kOk) return taken;
+    if (!p.closed.empty()) break;
     const ssize_t n = recv(p.control.fd(), buffer, sizeof(buffer), MSG_DONTWAIT);
     if (n > 0) {
       p.inbox.append(buffer, static_cast<size_t>(n));
       control_received_ += static_cast<uint64_t>(n);
       continue;
     }
-    if (n < 0 && WouldBlock(errno) && errno != EINTR) break;
     if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && WouldBlock(errno)) break;
     p.closed = n == 0 ? "closed its connection (the process exited or was killed)"
                       : "connection failed: " + Errno(errno);
-  }
-  while (p.inbox.size() >= kFrameHeaderBytes) {
-    const uint32_t kind = ReadU32(p.inbox.data());
-    uint64_t length = 0;
-    for (int i = 0; i < 8; ++i) {
-      length |= uint64_t{static_cast<uint8_t>(p.inbox[8 + i])} << (8 * i);
-    }
-    if (length > kMaxFrameBytes || (kind != kFrameMessage && kind != kFrameAbort)) {
-      *text = "sent a malformed control frame";
-      return Pumped::kClosed;
-    }
-    if (p.inbox.size() < kFrameHeaderBytes + length) break;
-    std::string payload = p.inbox.substr(kFrameHeaderBytes, length);
-    p.inbox.erase(0, kFrameHeaderBytes + length);
-    if (kind == kFrameAbort) {
-      *text = std::move(payload);
-      return Pumped::kAbort;
-    }
-    p.messages.push_back(std::move(payload));
   }
   if (p.closed.empty() || !p.messages.empty()) return Pumped::kOk;
   *text = p.closed;
@@ -91,6 +153,8 @@ Status TcpController::PumpAll(const std::vector<int>& peers) {
       case Pumped::kOk: break;
       case Pumped::kAbort: return Fail(Status::Error(text));
       case Pumped::kClosed: return Lost(peer, text);
+      case Pumped::kBad:
+        return Fail(Status::Error("perseus_legacy: " + Describe(peer) + " " + text));
     }
   }
   return Status::OK();
@@ -110,6 +174,9 @@ Status TcpController::Lost(int peer, const std::string& what) {
       std::string text;
       const Pumped pumped = Pump(watched[i], &text);
       if (pumped == Pumped::kAbort) return Fail(Status::Error(text));
+      if (pumped == Pumped::kBad) {
+        return Fail(Status::Error("perseus_legacy: " + Describe(watched[i]) + " " + text));
+      }
       if (pumped == Pumped::kClosed) {
         watched.erase(watched.begin() + i);
       } else {
@@ -124,8 +191,7 @@ Status TcpController::Lost(int peer, const std::string& what) {
 Status TcpController::Fail(const Status& status) {
   if (!failed_.ok()) return failed_;
   failed_ = status;
-  const std::string notice = Frame(kFrameAbort, status.message());
-  for (int peer : ControlPeers()) peers_[peer].outbox += notice;
+  for (int peer : ControlPeers()) peers_[peer].outbox += Seal(peer, kFrameAbort, status.message());
   // Best effort and bounded: a peer that reads nothing must not hold this rank.
   const double until = Now() + kNoticeWaitSecs;
   while (Now() < until) {
@@ -215,13 +281,16 @@ Status TcpController::ControlExchange(const std::vector<int>& await_from, double
 Status TcpController::GatherToCoordinator(const std::string& mine,
                                           std::vector<std::string>* all) {
   if (!failed_.ok()) return failed_;
+  if (mine.size() > kMaxControlMessageBytes) {
+    return Fail(TooLarge("this rank's requests", mine.size()));
+  }
   if (options_.rank != 0) {
     QueueMessage(0, mine);
-    return ControlExchange({}, kPeerSilenceSecs);
+    return ControlExchange({}, silence_secs_);
   }
   std::vector<int> others;
   for (int peer = 1; peer < size_; ++peer) others.push_back(peer);
-  Status s = ControlExchange(others, kPeerSilenceSecs);
+  Status s = ControlExchange(others, silence_secs_);
   if (!s.ok()) return s;
   all->assign(size_, std::string());
   (*all)[0] = mine;
@@ -235,11 +304,13 @@ Status TcpController::GatherToCoordinator(const std::string& mine,
 Status TcpController::BroadcastFromCoordinator(std::string* bytes) {
   if (!failed_.ok()) return failed_;
   if (options_.rank == 0) {
-    const std::string frame = Frame(kFrameMessage, *bytes);
-    for (int peer = 1; peer < size_; ++peer) peers_[peer].outbox += frame;
-    return ControlExchange({}, kPeerSilenceSecs);
+    if (bytes->size() > kMaxControlMessageBytes) {
+      return Fail(TooLarge("the coordinator's answer", bytes->size()));
+    }
+    for (int peer = 1; peer < size_; ++peer) QueueMessage(peer, *bytes);
+    return ControlExchange({}, silence_secs_);
   }
-  Status s = ControlExchange({0}, kPeerSilenceSecs);
+  Status s = ControlExchange({0}, silence_secs_);
   if (!s.ok()) return s;
   *bytes = std::move(peers_[0].messages.front());
   peers_[0].messages.pop_front();

@@ -6,6 +6,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstddef>
 
@@ -42,6 +43,13 @@ TcpController::~TcpController() {
       ++i;
     }
   }
+}
+
+void TcpController::SetWaitLimits(double /*warning_secs*/, double shutdown_secs) {
+  // Never below kMinSilenceSecs: idle ranks speak once a second (the runtime's heartbeat).
+  silence_secs_ = shutdown_secs > 0
+                      ? std::clamp(shutdown_secs, kMinSilenceSecs, kPeerSilenceSecs)
+                      : kPeerSilenceSecs;
 }
 
 std::string TcpController::Describe(int peer) const {

@@ -1,22 +1,29 @@
 // The Controller over TCP, for jobs launched without MPI (TF_CONFIG, `perseusrun --tcp`).
 //
 // Start-up (tcp_rendezvous.cc): every rank listens on its own address; each rank dials every
-// lower rank once (the data mesh) and rank 0 once more (the control star). Each connection proves
-// the job secret both ways (HMAC-SHA-256 challenge / response, tcp_auth.h). A rank runs all
-// its accepted handshakes at once (one poll loop, a deadline each, at most a few dozen pending:
-// a newer connection drops the oldest), so idle, garbage-sending or wrong-secret connections
-// from strangers are dropped without delaying the real ranks; each is logged on the listening
-// rank with its address and what was wrong (the first few of each kind, then a count). Ranks
-// that do not arrive within the start timeout are listed, with any refused connection that
-// claimed to be one of them.
+// lower rank once (the data mesh) and rank 0 once more (the control star), from its own address.
+// Each connection proves the job secret both ways (HMAC-SHA-256 challenge / response, tcp_auth.h),
+// bound to the job: a digest of its address list. A rank runs all its accepted handshakes at once
+// (one poll loop, a deadline each). Pending handshakes are counted per source address: each host
+// of a rank that dials this one has slots of its own, every other address shares the strangers'
+// slots, and a newer connection drops only the oldest of its own source's; so no flood from
+// elsewhere can drop a real rank's handshake, however slow its link. Each refusal is logged on
+// the listening rank with its address and what was wrong (the first few of each kind, then a
+// count). Ranks that do not arrive within the start timeout are listed, with any refused
+// connection from their own address that claimed to be one of them. The dialer's whole
+// handshake is bounded by the start timeout too.
 // Control plane (tcp_control.cc): length-prefixed frames between rank 0 and each rank
-// (negotiation messages, and abort notices that carry the first failure to every rank).
+// (negotiation messages, and abort notices that carry the first failure to every rank), each
+// authenticated by an HMAC-SHA-256 with a key of that connection's handshake and a sequence
+// number, so an altered, injected, replayed or reordered frame fails the job naming the peer.
 // Data plane (tcp_ring.cc): raw bytes between pairs, moved by one nonblocking engine: ring
 // allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
 // overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv. A closed socket, an
-// abort notice or a peer silent for kPeerSilenceSecs fails the operation on every rank with an
-// error naming the peer.
+// abort notice or a peer silent for kPeerSilenceSecs (or PERSEUS_STALL_SHUTDOWN_SECS when that is
+// shorter: SetWaitLimits) fails the operation on every rank with an error naming the peer.
 #pragma once
+
+#include <sys/socket.h>
 
 #include <atomic>
 #include <cstdint>
@@ -27,6 +34,7 @@
 
 #include "transport/options.h"
 #include "transport/controller.h"
+#include "transport/tcp_auth.h"
 #include "transport/tcp_socket.h"
 
 namespace perseus {
@@ -49,6 +57,10 @@ class TcpController : public Controller {
   int cross_size() const override { return options_.cross_size; }
   bool threads_supported() const override { return false; }
   std::string name() const override { return "tcp"; }
+  // A peer silent for `shutdown_secs` (when > 0 and below kPeerSilenceSecs; at least
+  // kMinSilenceSecs) counts as lost: a frozen rank or a cut link is noticed at the stall limit
+  // (what elastic runs regroup on).
+  void SetWaitLimits(double warning_secs, double shutdown_secs) override;
 
   Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) override;
   Status BroadcastFromCoordinator(std::string* bytes) override;
@@ -94,6 +106,9 @@ class TcpController : public Controller {
   struct Peer {
     Socket control;  // rank 0 <-> this peer (on rank 0: one per peer; elsewhere: to rank 0 only)
     Socket data;     // this rank <-> the peer
+    HmacKey control_key;         // the control connection's frame key (from its handshake)
+    uint64_t frames_sent = 0;    // control frames sealed for this peer so far
+    uint64_t frames_received = 0;  // control frames from it verified so far
     std::string inbox;                 // control bytes received and not yet parsed
     std::deque<std::string> messages;  // complete control messages, oldest first
     std::string outbox;                // control bytes still to send
@@ -114,7 +129,8 @@ class TcpController : public Controller {
     const char* in;
     const char* out;
   };
-  enum class Pumped { kOk, kAbort, kClosed };
+  // kBad: a frame failed its MAC or broke the framing (`text` says how); the job fails at once.
+  enum class Pumped { kOk, kAbort, kClosed, kBad };
 
   Group Everyone() const;
   friend Status CreateTcpController(const TransportOptions& options,
@@ -125,6 +141,9 @@ class TcpController : public Controller {
                   std::vector<std::string>* unproven);
   bool ClaimFits(const std::string& claim, std::string* why) const;
   Status AcceptOne(int fd, const std::string& nonce, const std::string& claim);
+  // The key of the control frames of a connection whose handshake used these nonces.
+  HmacKey ControlKey(const std::string& listener_nonce, const std::string& dialer_nonce,
+                         int listener, int dialer) const;
   // `refused`: set when the peer refused our proof of the secret.
   Status Dial(int peer, int channel, double deadline, bool* refused);
   Status StartupBarrier(double deadline);
@@ -139,6 +158,10 @@ class TcpController : public Controller {
                 const std::vector<Piece>& recvs, int lag, const Reduction* reduction);
   // Queues `message` for `peer`'s control connection; ControlExchange sends it.
   void QueueMessage(int peer, const std::string& message);
+  // One control frame to `peer`: header, payload and its MAC (the next of this connection).
+  std::string Seal(int peer, uint32_t kind, const std::string& payload);
+  // Takes the complete frames of `peer`'s inbox, each checked against its MAC.
+  Pumped TakeFrames(int peer, std::string* text);
   // Flushes every outbox and waits until each of `await_from` has a control message queued.
   Status ControlExchange(const std::vector<int>& await_from, double limit_secs);
   Pumped Pump(int peer, std::string* text);
@@ -150,9 +173,15 @@ class TcpController : public Controller {
 
   TcpOptions options_;
   int size_;
+  // SHA-256 of the job's address list: every handshake proves it, so that two jobs sharing a
+  // secret cannot connect to each other.
+  std::string job_digest_;
+  sockaddr_storage own_address_{};  // this rank's address: the source of the connections it dials
+  socklen_t own_address_length_ = 0;
   std::vector<Peer> peers_;
   std::vector<char> scratch_;  // one received chunk, before it is reduced
   Status failed_;              // the first failure; every later call returns it
+  double silence_secs_ = kPeerSilenceSecs;  // how long a silent peer is waited for
   uint64_t control_received_ = 0;  // control bytes received so far (progress of a wait)
   // The hierarchical allreduce's groups over the mesh (local(), cross()); null when it does not
   // apply. Declared last: destroyed first.

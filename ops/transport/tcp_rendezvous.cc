@@ -1,6 +1,12 @@
 // Start-up of the TCP transport: every rank listens on its address, accepts the higher ranks and
 // dials the lower ones (the data mesh) and rank 0 (the control star), each connection proving
-// the job secret both ways (HMAC-SHA-256 challenge / response, tcp_auth.h), then a barrier.
+// the job secret and the job's address list both ways (HMAC-SHA-256 challenge / response,
+// tcp_auth.h) and deriving the key of its control frames, then a barrier.
+//
+// The handshake: the listener sends a hello (magic, its rank, the job digest, a nonce); the dialer
+// checks the digest and answers with a claim (its rank, channel, the job size, its nonce, an HMAC
+// over both nonces, the claim, the listener's rank and the job digest); the listener answers
+// with a verdict byte and, on success, its own HMAC.
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -13,9 +19,13 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <thread>
+#include <vector>
 
 #include "transport/tcp_auth.h"
 #include "transport/registry.h"
@@ -28,19 +38,30 @@ constexpr int kDataChannel = 0;
 constexpr int kControlChannel = 1;
 constexpr char kMagic[8] = {'P', 'E', 'R', 'S', 'E', 'U', 'S', '1'};
 constexpr size_t kNonceBytes = 32;
+constexpr size_t kDigestBytes = 32;
 constexpr double kHandshakeSecs = 10.0;  // one connection's handshake, once it is accepted
-constexpr size_t kHelloBytes = sizeof(kMagic) + 4 + kNonceBytes;        // magic, rank, nonce
+// magic, rank, job digest, nonce
+constexpr size_t kHelloBytes = sizeof(kMagic) + 4 + kDigestBytes + kNonceBytes;
 constexpr size_t kClaimHeaderBytes = 12;                                // rank, channel, size
 constexpr size_t kClaimBytes = kClaimHeaderBytes + kNonceBytes + 32;    // + nonce, HMAC
-// Accepted connections whose handshake may be under way at once; a newer one drops the oldest.
-constexpr size_t kMaxPendingHandshakes = 32;
+// Accepted connections whose handshake may be under way at once from one source: the host of a
+// rank that dials this one gets this many beyond the connections it is expected to make, every
+// other address shares this many; a newer connection drops the oldest of its own source only.
+constexpr size_t kPendingPerSource = 32;
+// The shortest job secret accepted (perseus_legacy/common/tf_config.py checks it first).
+constexpr size_t kMinSecretBytes = 16;
 // Refused connections of each kind logged one line each; the rest are only counted.
 constexpr int kLoggedRefusals = 4;
 constexpr char kAuthFailed[] = "authentication failed";
+// How long a rank that was not joined looks up the missing ranks' names, to tell why.
+constexpr double kUnresolvedCheckSecs = 1.0;
+// How long the accept loop looks up each higher rank's name to count its handshakes by source.
+constexpr double kSourceLookupSecs = 1.0;
 
 // Why the listening side dropped a connection, as counted in the start-up summary.
-enum class Refusal { kIdle, kGarbage, kWrongSecret, kOther, kCount };
+enum class Refusal { kIdle, kDropped, kGarbage, kWrongSecret, kOther, kCount };
 constexpr const char* kRefusalNames[] = {"idle or closed before finishing the handshake",
+                                         "dropped for newer connections from the same address",
                                          "sent bytes that are not a handshake of this job",
                                          "did not prove the job secret",
                                          "claimed a rank that was already connected"};
@@ -97,42 +118,157 @@ bool SplitAddress(const std::string& address, std::string* host, std::string* po
   return true;
 }
 
-Status Resolve(const std::string& address, sockaddr_storage* out, socklen_t* length) {
+// One address of a name, as getaddrinfo gives it.
+struct Endpoint {
+  sockaddr_storage address{};
+  socklen_t length = 0;
+};
+
+// One getaddrinfo call, shared by the thread that makes it and the one that waits for it.
+struct Lookup {
+  std::mutex mutex;
+  std::condition_variable finished;
+  bool done = false;
+  int rc = 0;
+  std::vector<Endpoint> endpoints;
+};
+
+// getaddrinfo(host, port) on a helper thread, waited for until `until`: the call cannot be
+// interrupted and can block for the resolver's whole timeout (resolv.conf's attempts x
+// timeout), so a lookup still running at `until` is left to its thread, which owns its result,
+// and false is returned. Otherwise `rc` and every address found.
+bool LookupUntil(const std::string& host, const std::string& port, double until, int* rc,
+                 std::vector<Endpoint>* out) {
+  auto lookup = std::make_shared<Lookup>();
+  std::thread([lookup, host, port] {
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int code = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
+    std::vector<Endpoint> endpoints;
+    for (const addrinfo* a = code == 0 ? found : nullptr; a != nullptr; a = a->ai_next) {
+      if (a->ai_addrlen > sizeof(sockaddr_storage)) continue;
+      Endpoint endpoint;
+      std::memcpy(&endpoint.address, a->ai_addr, a->ai_addrlen);
+      endpoint.length = a->ai_addrlen;
+      endpoints.push_back(endpoint);
+    }
+    if (found != nullptr) freeaddrinfo(found);
+    std::lock_guard<std::mutex> lock(lookup->mutex);
+    lookup->rc = code;
+    lookup->endpoints = std::move(endpoints);
+    lookup->done = true;
+    lookup->finished.notify_all();
+  }).detach();
+  std::unique_lock<std::mutex> lock(lookup->mutex);
+  const std::chrono::duration<double> wait(std::max(0.0, until - Now()));
+  if (!lookup->finished.wait_for(lock, wait, [&] { return lookup->done; })) return false;
+  *rc = lookup->rc;
+  *out = lookup->endpoints;
+  return true;
+}
+
+// Answers that may change once the name is published (no such name yet, resolver busy).
+bool MayResolveLater(int rc) {
+  switch (rc) {
+    case EAI_NONAME:
+    case EAI_AGAIN:
+    case EAI_FAIL:
+#ifdef EAI_NODATA
+    case EAI_NODATA:
+#endif
+#ifdef EAI_ADDRFAMILY
+    case EAI_ADDRFAMILY:
+#endif
+      return true;
+    default:
+      return false;
+  }
+}
+
+void LogRank(int rank, const std::string& text) {
+  std::fprintf(stderr, "perseus_legacy[rank %d]: %s\n", rank, text.c_str());
+  std::fflush(stderr);
+}
+
+// Every address of `address` ("host:port", rank `owner`'s), for rank `me`. A name that does not
+// resolve yet is looked up again until `deadline` (Kubernetes publishes the name of a pod's
+// headless service only after the pod starts), logging once that it waits; each lookup is
+// bounded by the deadline as well. `limit` names the start timeout for the error.
+Status Resolve(const std::string& address, int me, int owner, double deadline,
+               const std::string& limit, std::vector<Endpoint>* out) {
   std::string host, port;
   if (!SplitAddress(address, &host, &port)) {
     return Status::Error("perseus_legacy: \"" + address + "\" is not a host:port address");
   }
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  const int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found);
-  if (rc != 0) {
-    return Status::Error("perseus_legacy: cannot resolve \"" + address + "\": " +
-                         gai_strerror(rc));
+  const std::string whose = owner == me ? "its own address" : "the address of rank " +
+                                                                  std::to_string(owner);
+  const std::string what = "the name \"" + host + "\" (" + whose + ", " + address + ")";
+  const double start = Now();
+  bool waiting = false;
+  double backoff = 0.1;
+  std::string last;
+  while (true) {
+    int rc = 0;
+    if (!LookupUntil(host, port, deadline, &rc, out)) {
+      last = "the last lookup had no answer when the time was up";
+    } else if (rc == 0 && !out->empty()) {
+      if (waiting) LogRank(me, what + " resolved after " + Seconds(Now() - start) + " s");
+      return Status::OK();
+    } else if (rc != 0 && !MayResolveLater(rc)) {
+      return Status::Error("perseus_legacy: rank " + std::to_string(me) + " cannot resolve " +
+                           what + ": " + gai_strerror(rc));
+    } else {
+      last = rc == 0 ? "no address" : gai_strerror(rc);
+      if (!waiting) {
+        LogRank(me, "waiting for " + what + " to resolve (" + last + "); looking it up again "
+                    "until " + limit);
+        waiting = true;
+      }
+    }
+    if (Now() + backoff >= deadline) break;
+    std::this_thread::sleep_for(std::chrono::duration<double>(backoff));
+    backoff = std::min(backoff * 2, 1.0);
   }
-  std::memcpy(out, found->ai_addr, found->ai_addrlen);
-  *length = found->ai_addrlen;
-  freeaddrinfo(found);
-  return Status::OK();
+  return Status::Error("perseus_legacy: rank " + std::to_string(me) + ": " + what +
+                       " did not resolve within " + limit + " (" + last + ")");
 }
 
-std::string PeerName(int fd) {
+// The numeric host of `address` ("10.0.0.1", "::1"; an IPv4-mapped IPv6 address as IPv4) and
+// its port.
+std::string NumericHost(const sockaddr_storage& address, int* port) {
+  char host[INET6_ADDRSTRLEN] = "?";
+  *port = 0;
+  if (address.ss_family == AF_INET) {
+    const auto* v4 = reinterpret_cast<const sockaddr_in*>(&address);
+    inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
+    *port = ntohs(v4->sin_port);
+  } else if (address.ss_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(&address);
+    if (IN6_IS_ADDR_V4MAPPED(&v6->sin6_addr)) {
+      inet_ntop(AF_INET, &v6->sin6_addr.s6_addr[12], host, sizeof(host));
+    } else {
+      inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof(host));
+    }
+    *port = ntohs(v6->sin6_port);
+  }
+  return host;
+}
+
+// A numeric form of an endpoint, for errors.
+std::string EndpointName(const Endpoint& endpoint) {
+  int port = 0;
+  return NumericHost(endpoint.address, &port);
+}
+
+// The numeric host of the other end of `fd`.
+std::string PeerHost(int fd, int* port) {
   sockaddr_storage address{};
   socklen_t length = sizeof(address);
+  *port = 0;
   if (getpeername(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) return "?";
-  char host[INET6_ADDRSTRLEN] = "?";
-  int port = 0;
-  if (address.ss_family == AF_INET) {
-    auto* v4 = reinterpret_cast<sockaddr_in*>(&address);
-    inet_ntop(AF_INET, &v4->sin_addr, host, sizeof(host));
-    port = ntohs(v4->sin_port);
-  } else if (address.ss_family == AF_INET6) {
-    auto* v6 = reinterpret_cast<sockaddr_in6*>(&address);
-    inet_ntop(AF_INET6, &v6->sin6_addr, host, sizeof(host));
-    port = ntohs(v6->sin6_port);
-  }
-  return std::string(host) + ":" + std::to_string(port);
+  return NumericHost(address, port);
 }
 
 void SetTimeouts(int fd, double seconds) {
@@ -143,27 +279,30 @@ void SetTimeouts(int fd, double seconds) {
   setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
 }
 
-// Blocking I/O for the handshake (bounded by SetTimeouts).
-Status WriteFully(int fd, const std::string& bytes) {
+// Blocking I/O for the dialer's handshake, all of it done by `deadline`: each call waits at most
+// what is left, so a peer that trickles bytes cannot hold the dialer past it.
+Status WriteFully(int fd, const std::string& bytes, double deadline) {
   size_t done = 0;
   while (done < bytes.size()) {
+    if (Now() >= deadline) return Status::Error("timed out");
+    SetTimeouts(fd, deadline - Now());
     const ssize_t n = send(fd, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && WouldBlock(errno)) continue;
     if (n <= 0) return Status::Error(n < 0 ? Errno(errno) : "connection closed");
     done += static_cast<size_t>(n);
   }
   return Status::OK();
 }
 
-Status ReadFully(int fd, size_t bytes, std::string* out) {
+Status ReadFully(int fd, size_t bytes, std::string* out, double deadline) {
   out->assign(bytes, '\0');
   size_t done = 0;
   while (done < bytes) {
+    if (Now() >= deadline) return Status::Error("timed out");
+    SetTimeouts(fd, deadline - Now());
     const ssize_t n = recv(fd, &(*out)[done], bytes - done, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      return Status::Error(WouldBlock(errno) ? "timed out" : Errno(errno));
-    }
+    if (n < 0 && WouldBlock(errno)) continue;
+    if (n < 0) return Status::Error(Errno(errno));
     if (n == 0) return Status::Error("connection closed");
     done += static_cast<size_t>(n);
   }
@@ -198,9 +337,11 @@ Status CreateTcpController(const TransportOptions& transport_options,
     return Status::Error("perseus_legacy: TCP rank " + std::to_string(options.rank) +
                          " is outside a job of " + std::to_string(size) + " addresses");
   }
-  if (options.secret.empty()) {
+  if (options.secret.size() < kMinSecretBytes) {
     return Status::Error("perseus_legacy: the TCP controller needs a job secret "
-                         "(PERSEUS_SECRET), the same on every rank");
+                         "(PERSEUS_SECRET) of at least " + std::to_string(kMinSecretBytes) +
+                         " bytes, the same on every rank; this one has " +
+                         std::to_string(options.secret.size()));
   }
   auto controller = std::make_unique<TcpController>(options);
   Status s = controller->Rendezvous();
@@ -216,18 +357,34 @@ Status TcpController::Rendezvous() {
   const double deadline = Now() + options_.start_timeout_secs;
   const std::string limit = "PERSEUS_START_TIMEOUT=" + Seconds(options_.start_timeout_secs) +
                             " s";
-  sockaddr_storage address{};
-  socklen_t length = 0;
-  Status s = Resolve(options_.addresses[me], &address, &length);
+  std::string job;
+  for (const std::string& address : options_.addresses) job += address + "\n";
+  job_digest_ = AsString(Sha256("perseus-job\n" + job));
+  std::vector<Endpoint> own;
+  Status s = Resolve(options_.addresses[me], me, me, deadline, limit, &own);
   if (!s.ok()) return s;
-  Socket listener(socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-  const int one = 1;
-  if (listener.valid()) setsockopt(listener.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (!listener.valid() ||
-      bind(listener.fd(), reinterpret_cast<sockaddr*>(&address), length) != 0 ||
-      listen(listener.fd(), SOMAXCONN) != 0) {
+  Socket listener;  // on the first of the name's addresses that this machine can listen on
+  std::string why;
+  for (const Endpoint& endpoint : own) {
+    Socket candidate(socket(endpoint.address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    const int one = 1;
+    if (candidate.valid()) {
+      setsockopt(candidate.fd(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    }
+    if (candidate.valid() &&
+        bind(candidate.fd(), reinterpret_cast<const sockaddr*>(&endpoint.address),
+             endpoint.length) == 0 &&
+        listen(candidate.fd(), SOMAXCONN) == 0) {
+      listener = std::move(candidate);
+      own_address_ = endpoint.address;
+      own_address_length_ = endpoint.length;
+      break;
+    }
+    why += (why.empty() ? "" : "; ") + EndpointName(endpoint) + ": " + Errno(errno);
+  }
+  if (!listener.valid()) {
     return Status::Error("perseus_legacy: rank " + std::to_string(me) + " cannot listen on " +
-                         "its address " + options_.addresses[me] + ": " + Errno(errno) +
+                         "its address " + options_.addresses[me] + " (" + why + ")" +
                          " (each task's address must belong to the machine it runs on)");
   }
 
@@ -257,9 +414,21 @@ Status TcpController::Rendezvous() {
   }
   if (!missing.empty()) {
     std::string expected;
+    // A missing rank whose name does not resolve here likely waits for it too: say so, after
+    // one quick lookup of each (all of them within kUnresolvedCheckSecs).
+    const double check_until = Now() + kUnresolvedCheckSecs;
     for (int peer : missing) {
+      std::string host, port;
+      int rc = 0;
+      std::vector<Endpoint> found;
+      std::string unresolved;
+      if (SplitAddress(options_.addresses[peer], &host, &port) &&
+          LookupUntil(host, port, check_until, &rc, &found) && rc != 0) {
+        unresolved = " (its name \"" + host + "\" does not resolve here either: " +
+                     gai_strerror(rc) + ")";
+      }
       expected += "; rank " + std::to_string(peer) + " at " + options_.addresses[peer] +
-                  (unproven[peer].empty() ? "" : ": " + unproven[peer]);
+                  unresolved + (unproven[peer].empty() ? "" : ": " + unproven[peer]);
     }
     return Fail(Status::Error(
         "perseus_legacy: ranks " + RankList(missing) + " never arrived at rank " +
@@ -297,15 +466,19 @@ Status TcpController::StartupBarrier(double deadline) {
 struct TcpController::Pending {
   Socket socket;
   std::string from;    // its address, for the log
+  size_t source;       // whose slots it takes (AcceptLoop's `slots`)
   double deadline;     // when it is dropped if it has not finished
   std::string nonce;   // our challenge
   std::string claim;   // what it has sent so far
 };
 
 // All handshakes run at once in one thread: poll() over the listener and every pending
-// connection, each with its own deadline. One thread and no per-connection state beyond a few
-// bytes, so a flood costs at most kMaxPendingHandshakes descriptors and never delays the real
-// ranks (whose handshakes take milliseconds).
+// connection, each with its own deadline. Pending connections are counted per source address:
+// each host of a rank that dials this one has slots of its own (kPendingPerSource beyond the
+// connections its ranks make), all other addresses share kPendingPerSource; a new connection
+// drops the oldest pending one of its own source when those are full. A flood from elsewhere
+// thus never touches a real rank's handshake however long its claim takes to arrive, and costs
+// at most kPendingPerSource descriptors.
 void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
                                std::vector<std::string>* unproven) {
   auto all_arrived = [&] {
@@ -315,8 +488,41 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
     }
     return true;
   };
+  // The numeric hosts of the ranks that dial this one, and the slots of each; then the
+  // strangers' slots (the last).
+  std::vector<std::string> hosts;
+  std::vector<size_t> slots;
+  std::vector<size_t> source_of_rank(size_, SIZE_MAX);
+  for (int peer = options_.rank + 1; peer < size_; ++peer) {
+    // One bounded lookup: a name not published yet (Dial waits for it and reports it) leaves
+    // that rank's handshakes among the strangers', as before this accounting.
+    std::string name, port_text;
+    std::vector<Endpoint> found;
+    int rc = 0;
+    if (!SplitAddress(options_.addresses[peer], &name, &port_text) ||
+        !LookupUntil(name, port_text, std::min(deadline, Now() + kSourceLookupSecs), &rc,
+                     &found) ||
+        rc != 0) {
+      continue;
+    }
+    for (const Endpoint& endpoint : found) {  // the rank dials from one of these
+      int port = 0;
+      const std::string host = NumericHost(endpoint.address, &port);
+      const size_t index = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
+      if (index == hosts.size()) {
+        hosts.push_back(host);
+        slots.push_back(kPendingPerSource);
+      }
+      slots[index] += options_.rank == 0 ? 2 : 1;  // rank 0 is dialed twice by each rank
+      if (source_of_rank[peer] == SIZE_MAX) source_of_rank[peer] = index;
+    }
+  }
+  const size_t strangers = hosts.size();
+  slots.push_back(kPendingPerSource);
+
   RefusalLog log(options_.rank);
   std::vector<Pending> pending;  // oldest first
+  std::vector<size_t> pending_of(slots.size(), 0);
   auto refuse = [&](Pending& p, Refusal kind, const std::string& why) {
     static_cast<void>(send(p.socket.fd(), "\0", 1, MSG_NOSIGNAL | MSG_DONTWAIT));
     log.Add(p.from, kind, why);
@@ -365,9 +571,13 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
         if (s.ok()) {
           static_cast<void>(p.socket.Release());  // AcceptOne stored it with its peer
         } else if (s.message().rfind(kAuthFailed, 0) == 0) {
-          (*unproven)[claimed] = "a connection from " + p.from + " claiming to be rank " +
-                                 std::to_string(claimed) + " did not prove the job secret "
-                                 "(PERSEUS_SECRET differs)";
+          // Only a connection from the claimed rank's own host may explain why that rank never
+          // arrived; a stranger's claim is logged, never taken for the job's failure.
+          if (p.source == source_of_rank[claimed]) {
+            (*unproven)[claimed] = "a connection from " + p.from + " claiming to be rank " +
+                                   std::to_string(claimed) + " did not prove the job secret "
+                                   "(PERSEUS_SECRET differs)";
+          }
           refuse(p, Refusal::kWrongSecret,
                  s.message() + " (it claims to be rank " + std::to_string(claimed) + ")");
         } else {
@@ -379,6 +589,9 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
         p.socket.Close();
       }
     }
+    for (const Pending& p : pending) {
+      if (!p.socket.valid()) --pending_of[p.source];
+    }
     pending.erase(std::remove_if(pending.begin(), pending.end(),
                                  [](const Pending& p) { return !p.socket.valid(); }),
                   pending.end());
@@ -386,17 +599,24 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
     while (true) {  // everything the listener holds
       Socket fd(accept4(listener, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
       if (!fd.valid()) break;
-      if (pending.size() >= kMaxPendingHandshakes) {  // the oldest is the likeliest idle one
-        log.Add(pending.front().from, Refusal::kIdle,
-                "dropped to make room for a newer connection (at most " +
-                    std::to_string(kMaxPendingHandshakes) + " handshakes wait at once)");
-        pending.erase(pending.begin());
+      int port = 0;
+      const std::string host = PeerHost(fd.fd(), &port);
+      const size_t source = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
+      Pending p{std::move(fd), host + ":" + std::to_string(port),
+                source < strangers ? source : strangers, now + kHandshakeSecs, "", ""};
+      if (pending_of[p.source] >= slots[p.source]) {  // the oldest is the likeliest idle one
+        const auto oldest = std::find_if(pending.begin(), pending.end(),
+                                         [&](const Pending& q) { return q.source == p.source; });
+        log.Add(oldest->from, Refusal::kDropped,
+                "dropped to make room for a newer connection from the same address (at most " +
+                    std::to_string(slots[p.source]) + " handshakes wait at once from " +
+                    (p.source == strangers ? "addresses of no rank" : host) + ")");
+        pending.erase(oldest);
+        --pending_of[p.source];
       }
-      Pending p{std::move(fd), "", now + kHandshakeSecs, "", ""};
-      p.from = PeerName(p.socket.fd());
       Status s = RandomBytes(kNonceBytes, &p.nonce);
       const std::string hello = std::string(kMagic, sizeof(kMagic)) + U32(options_.rank) +
-                                p.nonce;
+                                job_digest_ + p.nonce;
       // A new connection's send buffer is empty: the hello goes out whole or not at all.
       if (s.ok() && send(p.socket.fd(), hello.data(), hello.size(), MSG_NOSIGNAL) !=
                         static_cast<ssize_t>(hello.size())) {
@@ -406,6 +626,7 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
         log.Add(p.from, Refusal::kIdle, s.message());
         continue;
       }
+      ++pending_of[p.source];
       pending.push_back(std::move(p));
     }
   }
@@ -443,7 +664,7 @@ Status TcpController::AcceptOne(int fd, const std::string& nonce, const std::str
   std::memcpy(mac.data(), claim.data() + kClaimHeaderBytes + kNonceBytes, mac.size());
   const Digest expected = HmacSha256(options_.secret, "perseus-claim" + nonce + peer_nonce +
                                                          claim.substr(0, kClaimHeaderBytes) +
-                                                         U32(options_.rank));
+                                                         U32(options_.rank) + job_digest_);
   if (!DigestsEqual(mac, expected)) {
     return Status::Error(std::string(kAuthFailed) + ": it does not know this job's secret "
                          "(PERSEUS_SECRET differs)");
@@ -452,33 +673,69 @@ Status TcpController::AcceptOne(int fd, const std::string& nonce, const std::str
   if (slot.valid()) return Status::Error("rank " + std::to_string(peer) + " is already connected");
   const Digest answer = HmacSha256(options_.secret, "perseus-accept" + peer_nonce + nonce +
                                                         U32(options_.rank) + U32(peer) +
-                                                        U32(channel));
+                                                        U32(channel) + job_digest_);
   const std::string verdict = std::string(1, '\1') + AsString(answer);
   if (send(fd, verdict.data(), verdict.size(), MSG_NOSIGNAL) !=
       static_cast<ssize_t>(verdict.size())) {
     return Status::Error("handshake failed: " + Errno(errno));
   }
   slot = Socket(fd);
+  if (channel == kControlChannel) {
+    peers_[peer].control_key = ControlKey(nonce, peer_nonce, options_.rank,
+                                          static_cast<int>(peer));
+  }
   return Status::OK();
 }
 
-// Dials `peer` until it answers or the start deadline passes; then both sides prove the secret.
+HmacKey TcpController::ControlKey(const std::string& listener_nonce,
+                                  const std::string& dialer_nonce, int listener,
+                                  int dialer) const {
+  return HmacKey(AsString(HmacSha256(options_.secret, "perseus-frames" + listener_nonce +
+                                                          dialer_nonce + U32(listener) +
+                                                          U32(dialer) + job_digest_)));
+}
+
+// Dials `peer` from this rank's own address until it answers or the start deadline passes; then
+// both sides prove the secret. Every step is bounded by the start deadline.
 Status TcpController::Dial(int peer, int channel, double deadline, bool* refused) {
-  sockaddr_storage address{};
-  socklen_t length = 0;
-  Status s = Resolve(options_.addresses[peer], &address, &length);
+  std::vector<Endpoint> endpoints;
+  Status s = Resolve(options_.addresses[peer], options_.rank, peer, deadline,
+                     "PERSEUS_START_TIMEOUT=" + Seconds(options_.start_timeout_secs) + " s",
+                     &endpoints);
   if (!s.ok()) return s;
   std::string last_error = "no attempt";
   double backoff = 0.05;
   while (true) {
-    Socket fd(socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    if (!fd.valid()) return Status::Error("perseus_legacy: socket(): " + Errno(errno));
-    SetTimeouts(fd.fd(), kHandshakeSecs);
-    if (connect(fd.fd(), reinterpret_cast<sockaddr*>(&address), length) != 0) {
-      last_error = Errno(errno);
-    } else {
+    Socket fd;  // connected to the first of the name's addresses that answers
+    const double until = std::min(deadline, Now() + kHandshakeSecs);
+    for (const Endpoint& endpoint : endpoints) {
+      Socket candidate(socket(endpoint.address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+      if (!candidate.valid()) return Status::Error("perseus_legacy: socket(): " + Errno(errno));
+      // From this rank's address, so that the peer counts its handshake among this host's
+      // (AcceptLoop); on failure the kernel picks the source.
+      if (own_address_.ss_family == endpoint.address.ss_family) {
+        const int one = 1;
+        setsockopt(candidate.fd(), IPPROTO_IP, IP_BIND_ADDRESS_NO_PORT, &one, sizeof(one));
+        sockaddr_storage source = own_address_;
+        if (source.ss_family == AF_INET) {
+          reinterpret_cast<sockaddr_in*>(&source)->sin_port = 0;
+        } else {
+          reinterpret_cast<sockaddr_in6*>(&source)->sin6_port = 0;
+        }
+        static_cast<void>(
+            bind(candidate.fd(), reinterpret_cast<sockaddr*>(&source), own_address_length_));
+      }
+      SetTimeouts(candidate.fd(), std::max(0.001, until - Now()));
+      if (connect(candidate.fd(), reinterpret_cast<const sockaddr*>(&endpoint.address),
+                  endpoint.length) == 0) {
+        fd = std::move(candidate);
+        break;
+      }
+      last_error = (endpoints.size() > 1 ? EndpointName(endpoint) + ": " : "") + Errno(errno);
+    }
+    if (fd.valid()) {
       std::string hello;
-      s = ReadFully(fd.fd(), kHelloBytes, &hello);
+      s = ReadFully(fd.fd(), kHelloBytes, &hello, until);
       if (!s.ok()) {
         last_error = "handshake: " + s.message();
       } else if (hello.compare(0, sizeof(kMagic), kMagic, sizeof(kMagic)) != 0 ||
@@ -486,17 +743,24 @@ Status TcpController::Dial(int peer, int channel, double deadline, bool* refused
         return Status::Error("perseus_legacy: rank " + std::to_string(options_.rank) +
                              ": the process at " + options_.addresses[peer] + " is not rank " +
                              std::to_string(peer) + " of this job");
+      } else if (hello.compare(sizeof(kMagic) + 4, kDigestBytes, job_digest_) != 0) {
+        return Status::Error(
+            "perseus_legacy: rank " + std::to_string(options_.rank) + ": the process at " +
+            options_.addresses[peer] + " is rank " + std::to_string(peer) + " of another job: "
+            "its list of the ranks' addresses differs from this rank's (every rank of a job must "
+            "be given the same TF_CONFIG cluster or PERSEUS_TCP_ADDRESSES; two jobs never share "
+            "an address)");
       } else {
-        const std::string peer_nonce = hello.substr(sizeof(kMagic) + 4);
+        const std::string peer_nonce = hello.substr(sizeof(kMagic) + 4 + kDigestBytes);
         std::string nonce;
         s = RandomBytes(kNonceBytes, &nonce);
         if (!s.ok()) return s;
         const std::string claimed = U32(options_.rank) + U32(channel) + U32(size_);
         const Digest mac = HmacSha256(options_.secret, "perseus-claim" + peer_nonce + nonce +
-                                                           claimed + U32(peer));
-        s = WriteFully(fd.fd(), claimed + nonce + AsString(mac));
+                                                           claimed + U32(peer) + job_digest_);
+        s = WriteFully(fd.fd(), claimed + nonce + AsString(mac), until);
         std::string verdict;
-        if (s.ok()) s = ReadFully(fd.fd(), 1, &verdict);
+        if (s.ok()) s = ReadFully(fd.fd(), 1, &verdict, until);
         if (s.ok() && verdict[0] != '\1') {
           *refused = true;
           return Status::Error(
@@ -507,18 +771,21 @@ Status TcpController::Dial(int peer, int channel, double deadline, bool* refused
               std::to_string(peer));
         }
         std::string answer;
-        if (s.ok()) s = ReadFully(fd.fd(), 32, &answer);
+        if (s.ok()) s = ReadFully(fd.fd(), 32, &answer, until);
         if (s.ok()) {
           Digest got;
           std::memcpy(got.data(), answer.data(), got.size());
           const Digest expected = HmacSha256(options_.secret, "perseus-accept" + nonce +
                                                                   peer_nonce + U32(peer) +
                                                                   U32(options_.rank) +
-                                                                  U32(channel));
+                                                                  U32(channel) + job_digest_);
           if (!DigestsEqual(got, expected)) {
             return Status::Error("perseus_legacy: the process at " + options_.addresses[peer] +
                                  " does not know this job's secret: it is not rank " +
                                  std::to_string(peer) + " of this job");
+          }
+          if (channel == kControlChannel) {
+            peers_[peer].control_key = ControlKey(peer_nonce, nonce, peer, options_.rank);
           }
           (channel == kDataChannel ? peers_[peer].data : peers_[peer].control) = std::move(fd);
           return Status::OK();

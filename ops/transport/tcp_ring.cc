@@ -25,6 +25,10 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
                              const Reduction* reduction) {
   if (!failed_.ok()) return failed_;
   const size_t item = reduction ? DataTypeSize(reduction->dtype) : 1;
+  if (item == 0) {
+    return Fail(Status::Error("perseus_legacy: no element size for dtype " +
+                              std::to_string(static_cast<int>(reduction->dtype))));
+  }
   const size_t chunk = std::max(item, kReduceChunkBytes / item * item);
   if (reduction && scratch_.size() < chunk) scratch_.resize(chunk);
   const std::vector<int> control = ControlPeers();
@@ -103,10 +107,10 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
       last_progress = now;
       continue;
     }
-    if (now - last_progress > kPeerSilenceSecs) {
+    if (now - last_progress > silence_secs_) {
       const int silent = receiving ? recv_peer : send_peer;
       return Lost(silent, "stopped responding: no data moved for " +
-                              Seconds(kPeerSilenceSecs) + " s");
+                              Seconds(silence_secs_) + " s");
     }
     std::vector<pollfd> fds;
     if (sending && sent < limit) fds.push_back({peers_[send_peer].data.fd(), POLLOUT, 0});
@@ -116,7 +120,7 @@ Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int
       fds.push_back({p.closed.empty() ? p.control.fd() : -1, POLLIN, 0});  // ended: nothing new
     }
     const int wait_ms = static_cast<int>(
-        std::min(1000.0, (kPeerSilenceSecs - (now - last_progress)) * 1000) + 1);
+        std::min(1000.0, (silence_secs_ - (now - last_progress)) * 1000) + 1);
     if (poll(fds.data(), fds.size(), wait_ms) < 0 && errno != EINTR) {
       return Fail(Status::Error("perseus_legacy: poll failed: " + Errno(errno)));
     }

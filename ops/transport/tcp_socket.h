@@ -1,6 +1,6 @@
 // The small pieces every file of the TCP transport shares: Socket (an owned file descriptor),
-// the clock its deadlines use, errno text, little-endian u32 fields, and the two limits on
-// waiting for a peer.
+// the clock its deadlines use, errno text, little-endian u32 fields, and the limits on waiting
+// for a peer.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,8 @@ namespace perseus {
 // A peer that moves no byte for this long while we wait on it is taken for dead (a frozen
 // process or a vanished host; a closed socket is noticed at once).
 constexpr double kPeerSilenceSecs = 30.0;
+// The shortest silence bound PERSEUS_STALL_SHUTDOWN_SECS can set (TcpController::SetWaitLimits).
+constexpr double kMinSilenceSecs = 3.0;
 // How long a rank that lost a peer waits for an abort notice naming the original failure.
 constexpr double kNoticeWaitSecs = 2.0;
 

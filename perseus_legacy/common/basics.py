@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from perseus_legacy.common import tf_config
+from perseus_legacy.common import elastic_client, tf_config
 from perseus_legacy.common.native import (  # noqa: F401 (part of basics' API)
     NotInitializedError,
     core,
@@ -54,7 +54,15 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     register_at_init(process_sets)
 
 
+# Elastic rounds after the first: their ranks have all asked the driver already, so they meet at
+# once; a rank lost while they do fails the round quickly and the survivors ask for another.
+ELASTIC_ROUND_START_SECONDS = 15.0
+
+
 def _join_group(comm: Any) -> None:
+    if comm is None and elastic_client.enabled():
+        _join_elastic_group()
+        return
     if comm is not None or tf_config.controller_from_env() == "mpi":
         core().init(_comm_handle(comm))
         return
@@ -71,6 +79,26 @@ def _join_group(comm: Any) -> None:
     core().init_tcp(cluster.rank, list(cluster.addresses), cluster.local_rank,
                     cluster.local_size, cluster.cross_rank, cluster.cross_size,
                     tf_config.job_secret(), tf_config.start_timeout())
+
+
+def _join_elastic_group() -> None:
+    """Joins the elastic driver's next round (perseus_legacy.common.elastic_client); when a rank
+    of it is lost before the group is formed, asks for the round after it."""
+    secret = tf_config.job_secret()
+    while True:
+        place = elastic_client.join(secret)
+        timeout = tf_config.start_timeout()
+        if place.round > 1:
+            timeout = min(timeout, ELASTIC_ROUND_START_SECONDS)
+        hosts = [address.rsplit(":", 1)[0] for address in place.addresses]
+        try:
+            core().init_tcp(place.rank, list(place.addresses), place.local_rank,
+                            place.local_size, place.cross_rank, place.cross_size, secret, timeout)
+            return
+        except RuntimeError as exc:
+            print(f"perseus_legacy elastic: {elastic_client.describe()} could not form the group "
+                  f"of {place.size} ranks on {sorted(set(hosts))}: {exc}; asking for the next "
+                  "round", flush=True)
 
 
 def shutdown() -> None:
@@ -173,7 +201,9 @@ def runtime_stats() -> dict:
     "cache_hits" / "cache_misses" (tensors negotiated through the response cache / sent on to
     the coordinator), "cache_evictions", "cache_invalidations", "coordinator_rounds",
     "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped",
-    "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md).
+    "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md),
+    "single_rank_shortcuts" (allreduces and broadcasts of a one-rank job, which complete on the
+    submitting thread with no negotiation, unless a timeline runs).
     """
     return dict(core().runtime_stats())
 

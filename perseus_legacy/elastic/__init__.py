@@ -1,9 +1,10 @@
-"""`perseus_legacy.elastic` (`hvd.elastic`): Horovod's elastic training API on a fixed set of ranks.
+"""`perseus_legacy.elastic` (`hvd.elastic`): Horovod's elastic training API.
 
 A program written for elastic Horovod runs unchanged: `@hvd.elastic.run` gives every rank rank
 0's state, then runs the training function; `state.commit()` keeps a copy in memory and
-`state.restore()` returns to it. The ranks never change: no host is added or removed, and a
-lost rank ends the job as it would without elastic (see perseus_legacy.elastic.state).
+`state.restore()` returns to it. Under `perseusrun --tcp` in elastic mode a lost rank, or hosts
+added or removed, re-form the group and the function runs again (perseus_legacy.elastic.state);
+otherwise the ranks never change and a lost rank ends the job.
 Keras callbacks and KerasState: perseus_legacy.keras.elastic.
 """
 

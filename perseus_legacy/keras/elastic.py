@@ -1,5 +1,6 @@
 """`perseus_legacy.keras.elastic`: Horovod's Keras elastic API (KerasState and the callbacks that
-keep `state.batch` and `state.epoch` and commit) on a fixed set of ranks; imports Keras 2.
+keep `state.batch` and `state.epoch` and commit); regrouping as in perseus_legacy.elastic.state;
+imports Keras 2.
 """
 
 from __future__ import annotations

@@ -302,6 +302,14 @@ def check_argument_errors(rank: int) -> None:
             fail(rank, f"unsupported dtype message: {exc}")
 
 
+def check_single_rank_shortcut(rank: int, size: int) -> None:
+    """One rank completes allreduces and broadcasts on the submitting thread (a counter)."""
+    shortcuts = _core.runtime_stats()["single_rank_shortcuts"]
+    if (shortcuts > 0) != (size == 1):
+        fail(rank, f"single_rank_shortcuts is {shortcuts} with {size} rank(s): expected "
+                   f"{'some' if size == 1 else 'none'}")
+
+
 def main() -> None:
     check_before_init()
     basics.init()
@@ -320,6 +328,7 @@ def main() -> None:
     check_shuffled_submission(rank, size)
     check_fusion(rank, size)
     check_fusion_with_large_tensors(rank, size)
+    check_single_rank_shortcut(rank, size)
     _core.shutdown()
     _core.shutdown()  # safe twice
     if _core.is_initialized() or _core.rank() != -1:

@@ -19,7 +19,18 @@ import time
 
 MAGIC = b"PERSEUS1"
 NONCE_BYTES = 32
-HELLO_BYTES = len(MAGIC) + 4 + NONCE_BYTES
+DIGEST_BYTES = 32
+HELLO_BYTES = len(MAGIC) + 4 + DIGEST_BYTES + NONCE_BYTES  # magic, rank, job digest, nonce
+
+
+def job_digest(hello: bytes) -> bytes:
+    """The digest of the job's address list that the listening rank's `hello` carries."""
+    return hello[len(MAGIC) + 4:len(MAGIC) + 4 + DIGEST_BYTES]
+
+
+def hello_nonce(hello: bytes) -> bytes:
+    """The listening rank's challenge in its `hello`."""
+    return hello[len(MAGIC) + 4 + DIGEST_BYTES:]
 
 
 def read_exactly(sock: socket.socket, count: int) -> bytes:
@@ -38,8 +49,8 @@ def claim(hello: bytes, rank: int, channel: int, size: int, secret: bytes) -> by
     listener_rank = hello[len(MAGIC):len(MAGIC) + 4]
     header = struct.pack("<III", rank, channel, size)
     nonce = os.urandom(NONCE_BYTES)
-    mac = hmac.new(secret, b"perseus-claim" + hello[len(MAGIC) + 4:] + nonce + header +
-                   listener_rank, hashlib.sha256).digest()
+    mac = hmac.new(secret, b"perseus-claim" + hello_nonce(hello) + nonce + header +
+                   listener_rank + job_digest(hello), hashlib.sha256).digest()
     return header + nonce + mac
 
 

@@ -83,3 +83,18 @@ def files_under(path: str) -> list:
     """Every file below `path`, relative to it, sorted (none when `path` does not exist)."""
     return sorted(os.path.relpath(os.path.join(d, f), path)
                   for d, _, names in os.walk(path) for f in names)
+
+
+def load_core():
+    """perseus_legacy._core alone, without importing the package (and so TensorFlow): for
+    workers that test the native core in a fraction of a second."""
+    import glob
+    import importlib.util
+
+    package = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "perseus_legacy")
+    [path] = glob.glob(os.path.join(package, "_core*.so"))
+    spec = importlib.util.spec_from_file_location("perseus_legacy._core", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
