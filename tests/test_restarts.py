@@ -173,5 +173,6 @@ def test_restarts_leave_out_the_lost_ranks_host_of_a_host_list_and_stop_below_mi
 
 
 def test_min_np_above_np_is_a_usage_error():
-    assert launch.main(["--tcp", "-np", "2", "--min-np", "3", "python", "x"]) == 2
+    assert launch.main(["--tcp", "-np", "2", "--restarts", "1", "--min-np", "3", "python",
+                        "x"]) == 2
     assert launch.main(["--tcp", "-np", "2", "--restarts", "-1", "python", "x"]) == 2
