@@ -414,6 +414,22 @@ def _slurm_tcp_settings(*values: str) -> tuple[tuple[str, str], ...]:
             (ADDRESSES_VARIABLE, addresses), (SECRET_VARIABLE, _slurm_secret(env, where)))
 
 
+# ---- a lost rank: the line every survivor prints, which `perseusrun --restarts` reads ----------
+
+_LOST_RANK_LINE = re.compile(r"perseus_legacy\[rank (\d+)\]: rank (\d+) was lost")
+
+
+def lost_rank_line(rank: int, lost: int, saved: str) -> str:
+    """What survivor `rank` prints when rank `lost` is gone; `saved` says what was saved where."""
+    return f"perseus_legacy[rank {rank}]: rank {lost} was lost; {saved}"
+
+
+def lost_rank_in(line: str) -> int | None:
+    """The rank a lost_rank_line() names, or None for any other line."""
+    found = _LOST_RANK_LINE.search(line)
+    return int(found.group(2)) if found else None
+
+
 # ---- the elastic driver's wire: perseusrun.elastic_driver <-> perseus_legacy elastic_client
 # One request per connection, each message one JSON line. The driver opens with a nonce; the
 # worker's request carries HMAC-SHA-256(secret, driver nonce + request) and a nonce of its own,

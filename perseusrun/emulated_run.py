@@ -10,7 +10,7 @@ import signal
 import sys
 from collections.abc import Callable
 
-from perseusrun import elastic_run, emulate, mpi_run, tcp_run
+from perseusrun import elastic_run, emulate, mpi_run, restarts, tcp_run
 from perseusrun.job import UsageError, check_job_args, slot_count
 from perseusrun.supervise import STOP_SIGNALS
 
@@ -48,6 +48,7 @@ def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
     if elastic:  # -np may come from the discovery script: checked when it has run
         return count, slots
     check_job_args(args)
+    restarts.check_restart_args(args)
     if args.tcp:
         tcp_run.check_tcp_args(args)
     return count, slots
@@ -61,20 +62,33 @@ def _raise_stopped(signum: int, _frame: object) -> None:
     raise _Stopped(signum)
 
 
+def _run_placed(hosts: emulate.EmulatedHosts, placement: list, args: argparse.Namespace,
+                env: dict, lost: set | None = None, timeout: float | None = None) -> int:
+    """The job with rank i on host placement[i] (a host's ranks next to each other)."""
+    args.np, args.timeout = len(placement), timeout if lost is not None else args.timeout
+    if args.tcp:
+        addresses = [f"{host.address}:{EMULATED_TCP_PORT + placement[:rank].count(host)}"
+                     for rank, host in enumerate(placement)]
+        envs = tcp_run.tcp_rank_envs(args, env, addresses)
+        return tcp_run.run_ranks(args.program, envs, args,
+                                 wrap=lambda rank, program: placement[rank].command(program),
+                                 lost=lost)
+    args.hosts = ",".join(f"{host.address}:{n}" for host, n in restarts.hosts_of(placement))
+    cmd = mpi_run.build_mpirun_command(args, env, hosts.mpirun_args())
+    return mpi_run.run_mpirun(cmd, env, args, lost)
+
+
 def _run_on(hosts: emulate.EmulatedHosts, slots: int, args: argparse.Namespace,
             env: dict) -> int:
     if elastic_run.is_elastic(args):
         return elastic_run.run_emulated(args, env, hosts, slots, EMULATED_TCP_PORT)
-    if args.tcp:
-        placed = [hosts[rank // slots] for rank in range(args.np)]
-        addresses = [f"{host.address}:{EMULATED_TCP_PORT + rank % slots}"
-                     for rank, host in enumerate(placed)]
-        envs = tcp_run.tcp_rank_envs(args, env, addresses)
-        return tcp_run.run_ranks(args.program, envs, args,
-                                 wrap=lambda rank, program: placed[rank].command(program))
-    args.hosts = ",".join(f"{host.address}:{slots}" for host in hosts)
-    cmd = mpi_run.build_mpirun_command(args, env, hosts.mpirun_args())
-    return mpi_run.run_mpirun(cmd, env, args)
+    placement = [hosts[(rank // slots) % len(hosts)] for rank in range(args.np)]
+    if not args.restarts:
+        return _run_placed(hosts, placement, args, env)
+    return restarts.run_with_restarts(
+        args, placement, lambda placed, lost, left: _run_placed(hosts, placed, args, env, lost,
+                                                                left),
+        local=lambda host: False)
 
 
 def run_emulated(args: argparse.Namespace, env: dict, count: int, slots: int) -> int:

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-rate", metavar="RATE",
                    help="with --emulate-hosts: limit each host's link to RATE in each direction "
                         "(tc syntax: 1gbit, 10gbit, 100mbit)")
+    p.add_argument("--restarts", type=int, default=0, metavar="K",
+                   help="after a lost rank, start the job again (at most K times), without "
+                        "its host when --min-np allows; it resumes from the last checkpoint")
     p.add_argument("--min-np", type=int, metavar="N",
                    help="fewest ranks the job may continue with after losing some (default "
                         "-np); elastic with --tcp")

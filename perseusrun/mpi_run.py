@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 import perseus_env
-from perseusrun import supervise
+from perseusrun import restarts, supervise
 from perseusrun.job import UsageError, check_job_args, is_local_host, job_hosts
 
 # Forwarded to every rank (with `-x NAME`) whenever they are set.
@@ -54,6 +54,7 @@ def build_mpirun_command(args: argparse.Namespace, env: dict,
     """The mpirun command line for parsed perseusrun `args` launched from environment `env`;
     `launcher_args` go before the user's --mpi-args."""
     check_job_args(args)
+    restarts.check_restart_args(args)
     hosts = job_hosts(args)
     local_only = all(is_local_host(name) for name, _ in hosts)
     slots = sum(count for _, count in hosts)
@@ -90,14 +91,25 @@ def build_mpirun_command(args: argparse.Namespace, env: dict,
     return cmd + list(launcher_args or []) + shlex.split(args.mpi_args) + args.program
 
 
-def run_mpirun(cmd: list[str], env: dict, args: argparse.Namespace) -> int:
-    """Runs an mpirun command line under supervise() (printed first with -v)."""
+def run_mpirun(cmd: list[str], env: dict, args: argparse.Namespace,
+               lost: set | None = None) -> int:
+    """Runs an mpirun command line under supervise() (printed first with -v); `lost` collects
+    the ranks mpirun says died."""
     if args.verbose:
         print("perseusrun:", shlex.join(cmd), file=sys.stderr, flush=True)
-    return supervise.supervise([(cmd, env)], timeout=args.timeout)
+    return supervise.supervise([(cmd, env)], timeout=args.timeout, lost=lost)
 
 
 def prepare(args: argparse.Namespace, env: dict) -> Callable[[], int]:
     """Backend interface (see perseusrun.job): mpirun on this machine or -H/--hostfile's hosts."""
     cmd = build_mpirun_command(args, env)
-    return lambda: run_mpirun(cmd, env, args)
+    if not args.restarts:
+        return lambda: run_mpirun(cmd, env, args)
+
+    def run_once(placement: list, lost: set, timeout: float | None) -> int:
+        args.np, args.timeout, args.hostfile = len(placement), timeout, None
+        args.hosts = ",".join(f"{host}:{n}" for host, n in restarts.hosts_of(placement))
+        return run_mpirun(build_mpirun_command(args, env), env, args, lost)
+
+    placement = restarts.placement_of(job_hosts(args), args.np)
+    return lambda: restarts.run_with_restarts(args, placement, run_once)

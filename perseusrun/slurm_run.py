@@ -61,6 +61,9 @@ def prepare(args: argparse.Namespace, env: dict) -> Callable[[], int]:
     if args.np is None:
         args.np = sum(slots for _, slots in hosts)
     check_job_args(args)
+    if args.restarts:
+        raise UsageError("--restarts does not apply in a Slurm allocation: requeue the job "
+                         "(sbatch --requeue), and it resumes from the survivors' checkpoint")
     where = ",".join(f"{name}:{slots}" for name, slots in hosts)
     if args.tcp:
         tcp_run.check_tcp_args(args)

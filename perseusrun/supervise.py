@@ -5,18 +5,26 @@ on emulated hosts). supervise() forwards whole output lines, passes SIGINT/SIGTE
 the job, ends the job when `--timeout` runs out, when one of several ranks fails, or when a rank
 has aborted an MPI job that mpirun does not end, and SIGKILLs what has not stopped `grace`
 seconds after it was asked to.
+
+Given a `lost` set (`perseusrun --restarts`), it adds every rank that the job's output says was
+lost (the survivors' perseus_env.lost_rank_line, or mpirun's "process rank N ... exited on
+signal"), and when one of several ranks fails it first gives the others up to
+SURVIVOR_SECONDS to notice, save the last completed step and exit by themselves.
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Sequence
+
+import perseus_env
 
 # SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
 KILL_GRACE_SECONDS = 10.0
@@ -32,6 +40,10 @@ ABORT_GRACE_SECONDS = 15.0
 # The exit code of a job a rank aborted (MPI_Abort's error code in mpi_controller.cc).
 ABORT_EXIT_CODE = 1
 POLL_SECONDS = 0.05
+# How long survivors of a lost rank get to see it (a silent peer: 30 s), save and exit.
+SURVIVOR_SECONDS = 60.0
+# mpirun's report of a rank that died (its text may wrap after "exited on").
+_MPIRUN_LOST = re.compile(r"noticed that process rank (\d+) with PID \d+ on node \S+ exited on")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -69,13 +81,26 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
             pass
 
 
-def _forward_lines(stream, prefix: str, out, aborted: threading.Event) -> None:
+def lost_rank_in(text: str) -> int | None:
+    """The rank a line of a job's output says was lost (a survivor's or mpirun's), or None."""
+    lost = perseus_env.lost_rank_in(text)
+    if lost is None:
+        found = _MPIRUN_LOST.search(text)
+        lost = int(found.group(1)) if found else None
+    return lost
+
+
+def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
+                   lost: set | None, reported: threading.Event) -> None:
     # Whole lines only: ranks writing to one shared stdout would interleave within a line (an
     # unbuffered print() writes its newline separately).
     for line in iter(stream.readline, b""):
         text = line.decode(errors="replace")
         if ABORT_LINE in text:
             aborted.set()
+        if lost is not None and lost_rank_in(text) is not None:
+            lost.add(lost_rank_in(text))
+            reported.set()
         out.write(prefix + text)
         out.flush()
 
@@ -93,20 +118,23 @@ class _Job:
     process group."""
 
     def __init__(self, commands: Sequence[tuple[list[str], dict]], per_rank: bool,
-                 tag_output: bool) -> None:
+                 tag_output: bool, lost: set | None) -> None:
         self.per_rank = per_rank
         self.aborted = threading.Event()
         self.procs: list[subprocess.Popen] = []
+        self.reported: list[threading.Event] = []  # per process: it printed a lost rank's line
         self.forwarders: list[threading.Thread] = []
         for rank, (argv, env) in enumerate(commands):
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, start_new_session=per_rank)
             self.procs.append(proc)
+            self.reported.append(threading.Event())
             for stream, tag, out in ((proc.stdout, "stdout", sys.stdout),
                                      (proc.stderr, "stderr", sys.stderr)):
                 prefix = f"[1,{rank}]<{tag}>:" if tag_output and per_rank else ""
                 thread = threading.Thread(target=_forward_lines,
-                                          args=(stream, prefix, out, self.aborted), daemon=True)
+                                          args=(stream, prefix, out, self.aborted, lost,
+                                                self.reported[-1]), daemon=True)
                 thread.start()
                 self.forwarders.append(thread)
 
@@ -136,23 +164,32 @@ class _Job:
                 pass
 
 
+def _survivors_done(job: _Job, lost: set) -> bool:
+    """Whether every rank not named lost has exited or reported the loss (a survivor prints
+    its line once its save, if it makes one, is complete), and some rank was named lost."""
+    return bool(lost) and all(proc.poll() is not None or job.reported[rank].is_set()
+                              for rank, proc in enumerate(job.procs) if rank not in lost)
+
+
 def supervise(commands: Sequence[tuple[list[str], dict]], timeout: float | None = None,
               grace: float = KILL_GRACE_SECONDS, per_rank: bool = False,
-              tag_output: bool = False) -> int:
+              tag_output: bool = False, lost: set | None = None) -> int:
     """Starts each (argv, env) and watches them until all have ended; returns the job's code.
 
     `per_rank`: the commands are the ranks themselves (each in its own process group; the
     others are ended when one fails) rather than one launcher that owns its ranks (signalled
     itself, killed with its whole process tree). The code is 124 after `timeout`, 128 + N after
     signal N stopped the job, 1 after a rank aborted an MPI job, else the first failure's.
+    `lost`: see the module's docstring.
     """
-    job = _Job(commands, per_rank, tag_output)
+    job = _Job(commands, per_rank, tag_output, lost)
     job_deadline = time.monotonic() + timeout if timeout else None
     kill_deadline: list[float | None] = [None]
     abort_deadline = None
     stopped_by: list[int] = []
     failure: list[int] = []
     killed_after_abort = False
+    survivor_deadline = None
 
     def stop(signum: int) -> None:
         job.signal(signum)
@@ -172,9 +209,19 @@ def supervise(commands: Sequence[tuple[list[str], dict]], timeout: float | None 
                 code = proc.poll()
                 if code not in (None, 0) and not failure and not stopped_by:
                     failure.append(_exit_code(code))
-                    if len(job.procs) > 1:
+                    if len(job.procs) > 1 and lost is not None:
+                        _say(f"rank {rank} exited with code {code}; the other ranks get "
+                             f"{SURVIVOR_SECONDS:g} s to save the last completed step and exit")
+                        survivor_deadline = now + SURVIVOR_SECONDS
+                    elif len(job.procs) > 1:
                         _say(f"rank {rank} exited with code {code}; terminating the other ranks")
                         stop(signal.SIGTERM)
+            if survivor_deadline is not None and (now >= survivor_deadline
+                                                  or _survivors_done(job, lost)):
+                survivor_deadline = None
+                if job.running():
+                    _say("terminating the ranks still running")
+                    stop(signal.SIGTERM)
             if abort_deadline is None and job.aborted.is_set():
                 abort_deadline = now + ABORT_GRACE_SECONDS
             if abort_deadline is not None and now >= abort_deadline and job.running():

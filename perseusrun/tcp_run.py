@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable
 
 from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
-from perseusrun import supervise
+from perseusrun import restarts, supervise
 from perseusrun.job import UsageError, check_job_args, is_local_host, job_hosts, rank_environment
 
 
@@ -33,6 +33,7 @@ def free_local_ports(count: int) -> list[int]:
 def check_tcp_args(args: argparse.Namespace) -> None:
     """The rules of a job without mpirun."""
     check_job_args(args)
+    restarts.check_restart_args(args)
     if args.mpi_args:
         raise UsageError("--mpi-args has no meaning with --tcp (no mpirun is started)")
 
@@ -55,21 +56,32 @@ def tcp_rank_envs(args: argparse.Namespace, env: dict,
 
 
 def run_ranks(program: list[str], envs: list[dict], args: argparse.Namespace,
-              wrap: Callable[[int, list[str]], list[str]] | None = None) -> int:
-    """Runs `program` once per environment (`wrap(rank, program)` says where, if given)."""
+              wrap: Callable[[int, list[str]], list[str]] | None = None,
+              lost: set | None = None) -> int:
+    """Runs `program` once per environment (`wrap(rank, program)` says where, if given);
+    `lost` collects the ranks the output says were lost (see supervise)."""
     commands = [((wrap(rank, program) if wrap else program), env) for rank, env in enumerate(envs)]
     return supervise.supervise(commands, timeout=args.timeout, per_rank=True,
-                               tag_output=args.tag_output)
+                               tag_output=args.tag_output, lost=lost)
 
 
 def prepare(args: argparse.Namespace, env: dict) -> Callable[[], int]:
     """Backend interface (see perseusrun.job): local ranks over TCP."""
     envs = tcp_rank_envs(args, env)
 
-    def run() -> int:
+    def run_once(np: int, lost: set | None, timeout: float | None) -> int:
+        args.np = np
+        envs_now = envs if np == len(envs) and lost is None else tcp_rank_envs(args, env)
+        if lost is not None:
+            args.timeout = timeout
         if args.verbose:
-            print(f"perseusrun: {args.np} local ranks over TCP at {envs[0][ADDRESSES_VARIABLE]}:"
-                  f" {shlex.join(args.program)}", file=sys.stderr, flush=True)
-        return run_ranks(args.program, envs, args)
+            print(f"perseusrun: {args.np} local ranks over TCP at "
+                  f"{envs_now[0][ADDRESSES_VARIABLE]}: {shlex.join(args.program)}",
+                  file=sys.stderr, flush=True)
+        return run_ranks(args.program, envs_now, args, lost=lost)
 
-    return run
+    if not args.restarts:
+        return lambda: run_once(args.np, None, args.timeout)
+    placement = restarts.placement_of(job_hosts(args), args.np)  # this machine only
+    return lambda: restarts.run_with_restarts(
+        args, placement, lambda placed, lost, left: run_once(len(placed), lost, left))

@@ -1,8 +1,10 @@
 """Faults on other ranks fail the survivors clearly and within a bound: a rank frozen by SIGSTOP
 and a host whose link is cut, over MPI and over TCP, and a TCP rank killed. Each survivor's error
 names the lost rank and its host; the job exits non-zero; nothing waits forever. When the fault
-hits Estimator training (rank 0 itself killed while it saves, too), rank 0's model_dir names only
-whole checkpoints, and a rerun resumes from the last one as if training had never stopped.
+hits Estimator training, the lowest surviving rank saves the last completed step into rank 0's
+model_dir (perseus_legacy.tf1.survivor; rank 0 itself killed while it saves, too), the model_dir
+names only whole checkpoints, and a rerun resumes from the last one as if training had never
+stopped: no completed step is trained twice.
 
 Workers: tests/workers/fault_rank.py (a 4 KiB allreduce loop; rank 1 fails after 20 steps and
 each survivor prints `FAULT_SEEN after S s`, S counted from its last completed step) and
@@ -164,9 +166,9 @@ def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
 def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
         tmp_path, checkpoint_worker):
     """2 hosts x 1 rank over MPI: rank 1 cuts its host's link after step 7. Rank 0 fails
-    within the stall limit naming rank 1 and its host; `checkpoint` names steps 0, 3, 6, all
-    whole; a healthy rerun starts every rank at step 6 and ends where one uninterrupted process
-    on the global batch does."""
+    within the stall limit naming rank 1 and its host, and saves step 7 first; `checkpoint`
+    names steps 0, 3, 6, 7, all whole; a healthy rerun starts every rank at step 7 and ends
+    where one uninterrupted process on the global batch does."""
     worker, tf = checkpoint_worker
     model_dir = tmp_path / "model"
     env = {**MPI_LIMITS, "TMPDIR": str(tmp_path)}  # the other rank's private model_dir too
@@ -176,48 +178,52 @@ def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun
     assert code == launch.ABORT_EXIT_CODE, out
     assert "UNEXPECTED" not in out, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
+    assert f"rank 1 was lost; saved global step {worker.FAULT_STEP}" in out, out
     expected = trajectory(worker)
-    saved = list(range(0, worker.FAULT_STEP + 1, worker.EVERY))
+    saved = [*range(0, worker.FAULT_STEP + 1, worker.EVERY), worker.FAULT_STEP]
     assert_whole_checkpoints(tf, model_dir, saved, expected)
 
     run_emulated(["--emulate-hosts", "2"], CHECKPOINT_WORKER, model_dir, tmp_path, "resume",
                  env=env, timeout=CHECKPOINT_TIMEOUT)
     assert_resumed(tmp_path, saved[-1], expected)
-    assert_whole_checkpoints(tf, model_dir, list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)),
-                             expected)
+    # max_to_keep=5 of the Estimator's saver: step 0's checkpoint makes room for step 12's.
+    assert_whole_checkpoints(tf, model_dir, [3, 6, worker.FAULT_STEP, 10, 12], expected)
 
 
 @needs_emulation
 def test_tcp_killed_worker_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
         tmp_path, checkpoint_worker):
     """A TF_CONFIG chief and worker on 2 hosts (the TCP group): the worker is killed (SIGKILL)
-    after step 7. The chief fails at once naming rank 1 and its address; `checkpoint` names
-    steps 0, 3, 6, all whole; a healthy rerun resumes at step 6 and ends where one uninterrupted
-    process on the global batch does."""
+    after step 7. The chief fails at once naming rank 1 and its address, and saves step 7 first;
+    `checkpoint` names steps 0, 3, 6, 7, all whole; a healthy rerun (the pods restarted) resumes
+    at step 7, losing nothing, and ends where one uninterrupted process on the global batch
+    does."""
     worker, tf = checkpoint_worker
     codes, out = run_tf_config_job(tmp_path, "kill")
     assert codes == [1, -9], out
     assert_fault_named(out, 0, 1, TCP_CLOSED_BOUND_SECS, f".2:{TF_CONFIG_PORT}",
                        what="the process exited or was killed")
+    assert f"rank 1 was lost; saved global step {worker.FAULT_STEP}" in out, out
     expected = trajectory(worker)
-    saved = list(range(0, worker.FAULT_STEP + 1, worker.EVERY))
+    saved = [*range(0, worker.FAULT_STEP + 1, worker.EVERY), worker.FAULT_STEP]
     assert_whole_checkpoints(tf, tmp_path / "model", saved, expected)
 
     codes, out = run_tf_config_job(tmp_path, "resume")
     assert codes == [0, 0], out
     assert_resumed(tmp_path, saved[-1], expected)
-    assert_whole_checkpoints(tf, tmp_path / "model",
-                             list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)), expected)
+    # max_to_keep=5 of the Estimator's saver: step 0's checkpoint makes room for step 12's.
+    assert_whole_checkpoints(tf, tmp_path / "model", [3, 6, worker.FAULT_STEP, 10, 12], expected)
 
 
 @needs_emulation
-def test_chief_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest_and_a_rerun_resumes(
+def test_chief_killed_while_writing_a_checkpoint_leaves_the_survivor_to_save_it_and_a_rerun_resumes(
         tmp_path, checkpoint_worker):
     """A TF_CONFIG chief and worker on 2 hosts: the chief (rank 0, the only writer) kills itself
-    in the save of step 6, its shard files written but not merged. The worker fails at once
-    naming rank 0; the half-written step 6 is left in its temporary directory and named
-    nowhere, `checkpoint` names steps 0 and 3, both whole; a rerun resumes at step 3 (writing
-    step 6 anew) and ends where one uninterrupted process on the global batch does."""
+    in the save of step 6, its shard files written into `model.ckpt-6_temp/` but not merged.
+    The worker fails at once naming rank 0 and, now the lowest survivor, saves the step it
+    completed, 6, into the chief's model_dir: its save replaces the half-written files, and
+    `checkpoint` names steps 0, 3 and 6, all whole; a rerun resumes at step 6 and ends where one
+    uninterrupted process on the global batch does."""
     worker, tf = checkpoint_worker
     model_dir = tmp_path / "model"
     codes, out = run_tf_config_job(tmp_path, "kill_saving")
@@ -225,12 +231,12 @@ def test_chief_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest_
     assert "[rank 0] KILLED while saving" in out, out
     assert_fault_named(out, 1, 0, TCP_CLOSED_BOUND_SECS, f".1:{TF_CONFIG_PORT}",
                        what="the process exited or was killed")
-    half_written = f"model.ckpt-{worker.SAVE_FAULT_STEP}"
+    step = worker.SAVE_FAULT_STEP
+    assert f"rank 0 was lost; saved global step {step}" in out, out
     left = sorted(os.listdir(model_dir))
-    assert f"{half_written}_temp" in left, left  # the kill came in the middle of the save
-    assert not [f for f in left if f.startswith(f"{half_written}.")], left
+    assert not [f for f in left if "_temp" in f], left  # merged by the survivor's save
     expected = trajectory(worker)
-    saved = list(range(0, worker.SAVE_FAULT_STEP, worker.EVERY))
+    saved = list(range(0, step + 1, worker.EVERY))
     assert_whole_checkpoints(tf, model_dir, saved, expected)
 
     codes, out = run_tf_config_job(tmp_path, "resume")
@@ -238,7 +244,6 @@ def test_chief_killed_while_writing_a_checkpoint_leaves_the_previous_one_latest_
     assert_resumed(tmp_path, saved[-1], expected)
     assert_whole_checkpoints(tf, model_dir, list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)),
                              expected)
-    assert f"{half_written}_temp" not in os.listdir(model_dir)  # the new save replaced it
 
 
 @needs_emulation

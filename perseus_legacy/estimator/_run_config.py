@@ -19,7 +19,7 @@ import tensorflow as tf
 
 import perseus_env
 from perseus_legacy.common import basics, tf_config
-from perseus_legacy.tf1 import config
+from perseus_legacy.tf1 import config, survivor
 from perseus_legacy.tf_compat import estimator_api
 
 LOG_ALL_RANKS_ENV = "PERSEUS_LOG_ALL_RANKS"
@@ -96,6 +96,7 @@ def distributed_run_config(evaluator_timeout_secs: float | None,
     timeout = _evaluator_timeout(evaluator_timeout_secs)
     role = cluster_role()
     if role.is_rank:
+        survivor.set_job_checkpoint_dir(kwargs.get("model_dir"))
         kwargs["session_config"] = config.session_config(kwargs.get("session_config"))
     if not role.is_chief and role.is_rank:
         log_all = perseus_env.read_switch(LOG_ALL_RANKS_ENV)

@@ -2,6 +2,9 @@
 
 One grouped allreduce per group of dense gradients (all of them by default, so the runtime fuses
 them), sparse gradients allgathered beside it, local variables' gradients kept on their rank.
+In a graph, every reduced gradient is available only once all of them are: an optimizer applying
+them updates no variable of a step in which some reduction failed (a lost rank), so every
+survivor holds the variables of the last completed step.
 """
 
 from __future__ import annotations
@@ -37,6 +40,15 @@ def resolve_groups(num_groups: int, groups: Any) -> Any:
         raise ValueError(f"groups must be a count > 0 or a list of lists of variables, got "
                          f"{groups!r}")
     return groups
+
+
+def _after_all(grads: list) -> list:
+    """`grads` (tensors or IndexedSlices), each readable only once every one of them is ready."""
+    leaves = [t for g in grads for t in ((g.values, g.indices) if isinstance(g, tf.IndexedSlices)
+                                          else (g,))]
+    with tf.control_dependencies([t.op for t in leaves]):
+        return [tf.IndexedSlices(tf.identity(g.values), tf.identity(g.indices), g.dense_shape)
+                if isinstance(g, tf.IndexedSlices) else tf.identity(g) for g in grads]
 
 
 class GradientReducer:
@@ -112,6 +124,10 @@ class GradientReducer:
                     for i, result in zip(group, self._reduce_group([grads[i] for i in group],
                                                                    name)):
                         grads[i] = result
+        if len(shared) > 1 and not tf.executing_eagerly():
+            reduced = _after_all([grads[i] for i in shared])
+            for i, result in zip(shared, reduced):
+                grads[i] = result
         return self.scale_local(list(zip(grads, variables)))
 
     def _size(self) -> int:

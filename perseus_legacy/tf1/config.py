@@ -10,6 +10,7 @@ from typing import Any
 import tensorflow as tf
 
 from perseus_legacy.common import basics
+from perseus_legacy.tf1 import survivor
 
 
 def session_config(config: tf.compat.v1.ConfigProto | None = None) -> tf.compat.v1.ConfigProto:
@@ -36,8 +37,10 @@ def checkpoint_dir(path: str | None) -> str | None:
     """`path` on rank 0, None on every other rank.
 
     Pass it as `checkpoint_dir` of MonitoredTrainingSession (or as a model_dir): only rank 0
-    saves; the others get their values from it through BroadcastGlobalVariablesHook.
+    saves; the others get their values from it through BroadcastGlobalVariablesHook. Every rank
+    remembers `path`: when a rank is lost, the lowest survivor saves the last step there.
     """
+    survivor.set_job_checkpoint_dir(path)
     return path if basics.rank() == 0 else None
 
 

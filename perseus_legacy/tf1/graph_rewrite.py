@@ -19,6 +19,13 @@ What counts as an optimizer update:
   op's own `grad`/`updates` and `indices` inputs are gathered (scatter add/sub are linear in
   their updates, so gathering the scaled updates equals gathering the gradient).
 
+Every update op of a step waits for every collective of that step (a control input on each): a
+variable is updated only once every gradient of the step is reduced. When a rank is lost in the
+middle of a step, some collectives fail and others may have completed; no variable is then
+updated, and each survivor holds the variables of the last completed step (what
+perseus_legacy.tf1.survivor saves). The update ops of one step are those under one optimizer
+apply's name scope (the part of their name before `update...`).
+
 A gradient that already comes from a Perseus collective (a graph built with
 `DistributedOptimizer`, or rewritten before) is left alone, so rewriting is idempotent and never
 averages twice. The collectives are named after the update op, so ranks that built the same
@@ -111,6 +118,23 @@ class _Rewriter:
         self.op = op
         self.reduced: dict = {}  # source tensor ref(s) -> collective result, built once
         self.rewritten = 0
+        self.steps: dict = {}  # step key -> ([rewired update ops], [collective result ops])
+
+    def _rewired(self, update_op: tf.Operation, *results: tf.Tensor) -> None:
+        updates, collective_ops = self.steps.setdefault(_step_of(update_op), ([], []))
+        updates.append(update_op)
+        collective_ops.extend(r.op for r in results if r.op not in collective_ops)
+        self.rewritten += 1
+
+    def wait_for_whole_steps(self) -> None:
+        """Makes every rewired update op wait for every collective of its step."""
+        for updates, collective_ops in self.steps.values():
+            for update_op in updates:
+                context = update_op._get_control_flow_context()  # TF internal, as _update_input
+                waits = [c for c in collective_ops if c._get_control_flow_context() is context
+                         and c not in update_op.control_inputs]
+                if waits:
+                    update_op._add_control_inputs(waits)
 
     def _collective_name(self, update_op: tf.Operation) -> str:
         return f"{_SCOPE}/{update_op.name}"
@@ -129,7 +153,7 @@ class _Rewriter:
                 self.reduced[key] = collectives.allreduce(grad, op=self.op,
                                                   name=self._collective_name(update_op))
         _update_input(update_op, index, self.reduced[key])
-        self.rewritten += 1
+        self._rewired(update_op, self.reduced[key])
 
     def _gather(self, update_op: tf.Operation, values: tf.Tensor, indices: tf.Tensor) -> tuple:
         key = ("sparse", values.ref(), indices.ref())
@@ -152,7 +176,7 @@ class _Rewriter:
             values, gathered_indices = self._gather(update_op, raw_values, raw_indices)
             _update_input(segment_sum, 0, values)
             _update_input(unique, 0, gathered_indices)
-            self.rewritten += 1
+            self._rewired(update_op, values, gathered_indices)
             return
         values = update_op.inputs[values_index]
         if _from_collective(indices) or _from_collective(values):
@@ -160,7 +184,16 @@ class _Rewriter:
         gathered_values, gathered_indices = self._gather(update_op, values, indices)
         _update_input(update_op, values_index, gathered_values)
         _update_input(update_op, indices_index, gathered_indices)
-        self.rewritten += 1
+        self._rewired(update_op, gathered_values, gathered_indices)
+
+
+def _step_of(update_op: tf.Operation) -> str:
+    """The name scope of the optimizer apply that built `update_op` (one step's updates)."""
+    parts = update_op.name.split("/")
+    for i, part in enumerate(parts):
+        if part.startswith("update"):
+            return "/".join(parts[:i])
+    return ""
 
 
 def _sparse_indices(update_op: tf.Operation) -> tuple:
@@ -223,4 +256,5 @@ def distribute_graph(graph: tf.Graph | None = None, op: int = Average) -> int:
                 rewriter.dense(update_op)
             else:
                 rewriter.sparse(update_op)
+        rewriter.wait_for_whole_steps()
     return rewriter.rewritten

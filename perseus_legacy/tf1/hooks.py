@@ -11,6 +11,7 @@ from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average
 from perseus_legacy.common.process_sets import process_set_id
 from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tf1 import survivor
 from perseus_legacy.tf1.graph_rewrite import distribute_graph
 
 
@@ -52,7 +53,8 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
     The broadcast runs in `after_create_session`, that is after variables were initialised or
     restored from a checkpoint: every rank then starts from the root's values (global step
     included), whichever rank restored what. Every rank (of `process_set`, default all; its
-    `root_rank` is a global rank) must use this hook.
+    `root_rank` is a global rank) must use this hook. From then on, a step failing because a
+    rank is lost makes the lowest survivor save that step (perseus_legacy.tf1.survivor).
     """
 
     def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = None) -> None:
@@ -77,8 +79,9 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
                                                         process_set=self.process_set)
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
-        """Runs the broadcast."""
+        """Runs the broadcast; then watches the session for a lost rank."""
         session.run(self.bcast_op)
+        survivor.watch(session)
 
 
 class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
@@ -97,7 +100,10 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
     reports it; no collective is added to the step). Steps that some ranks ran without the
     others are undone: every rank ends with the variables of the rank that completed the fewest
     steps, i.e. after the last step all ranks took part in (`steps` is then the same
-    everywhere). A rank that fails with an exception fails the others.
+    everywhere). A rank that fails with an exception fails the others. A step failing because
+    a rank is lost makes the lowest surviving rank save the last completed step into rank 0's
+    checkpoint directory (perseus_legacy.tf1.survivor), once the broadcast has run (with
+    broadcast=False: a BroadcastGlobalVariablesHook's).
 
     Args:
       root_rank: the rank whose variables every rank starts from.
@@ -130,7 +136,7 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Broadcasts the root rank's variables (unless broadcast=False)."""
-        if self._broadcast is not None:
+        if self._broadcast is not None:  # it watches the session for a lost rank then
             self._broadcast.after_create_session(session, coord)
         if self._watch:
             basics.core().take_peer_joined()  # forgets what happened before this session

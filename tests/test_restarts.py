@@ -1,0 +1,178 @@
+"""`perseusrun --restarts`: a lost rank costs no completed step. The lowest surviving rank saves
+the last completed step where rank 0 saves checkpoints, every survivor says so, and the launcher
+starts the job again without the lost host, from that checkpoint, as long as --min-np ranks
+remain (else it ends with an error). Real ranks on emulated hosts over TCP, each launch bounded;
+the variables are checked against numpy on the same sequence of global batches. Over MPI,
+where mpirun ends the survivors at once, the restart resumes from rank 0's periodic checkpoint.
+
+Workers: tests/workers/restart_estimator.py (an unchanged Estimator with run_config()) and
+tests/workers/restart_monitored.py (MonitoredTrainingSession + SyncReplicasHook).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from harness import (
+    ROOT,
+    assert_resumed,
+    assert_whole_checkpoints,
+    failure_summary,
+    needs_emulation,
+    run_perseusrun,
+    worker_module,
+)
+
+from perseusrun import launch
+
+ESTIMATOR_WORKER = ROOT / "tests" / "workers" / "restart_estimator.py"
+MONITORED_WORKER = ROOT / "tests" / "workers" / "restart_monitored.py"
+TIMEOUT = 240
+
+
+@pytest.fixture(scope="module")
+def restart_worker():
+    """restart_estimator (its steps, data and numpy reference) and tensorflow, for the checks."""
+    worker = worker_module("restart_estimator")  # imports perseus_legacy first
+    import tensorflow as tf
+
+    return worker, tf
+
+
+def processes_mentioning(text: str) -> list[str]:
+    """Command lines of running processes that contain `text` (a test's own directory)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in argv:
+            found.append(argv)
+    return found
+
+
+def assert_clean(model_dir: Path, tmp_path: Path, out: str) -> None:
+    """No half-written checkpoint in model_dir, no process of the job left."""
+    left = sorted(os.listdir(model_dir))
+    assert not [name for name in left if "_temp" in name or "tempstate" in name], left
+    assert not processes_mentioning(str(tmp_path)), out
+
+
+@needs_emulation
+def test_estimator_resumes_on_3_hosts_from_the_step_the_lowest_survivor_saved_when_rank_0_dies(
+        tmp_path, restart_worker):
+    """4 hosts x 1 rank over TCP, `--restarts 1 --min-np 3`: rank 0 (the only writer) is killed
+    after step 5, between checkpoints 4 and 8. Rank 1, the lowest survivor, saves step 5 into
+    rank 0's model_dir; the job restarts on the 3 other hosts and resumes at step 5 on every
+    rank: the final variables equal numpy's on 4-rank batches for steps 0-4, 3-rank ones after."""
+    worker, tf = restart_worker
+    model_dir, out_dir = tmp_path / "model", tmp_path / "out"
+    out_dir.mkdir()
+    code, out = run_perseusrun(
+        ["--tcp", "--emulate-hosts", "4", "--restarts", "1", "--min-np", "3"],
+        [ESTIMATOR_WORKER, model_dir, out_dir], {"TMPDIR": str(tmp_path)}, timeout=TIMEOUT)
+    assert code == 0, f"exit {code}:\n{failure_summary(out)}\n{out}"
+    fault = worker.FAULT_STEP
+    assert f"[rank 0] KILLED after step {fault}" in out, out
+    assert (f"perseus_legacy[rank 1]: rank 0 was lost; saved global step {fault}: "
+            f"{model_dir}/model.ckpt-{fault}") in out, out
+    for rank in (2, 3):
+        assert (f"perseus_legacy[rank {rank}]: rank 0 was lost; rank 1 saves the last completed "
+                f"step in {model_dir}") in out, out
+    assert re.search(r"perseusrun: rank 0 lost with host \S+h0; restart 1 of 1 on 3 ranks "
+                     r"\(\S+h1:1, \S+h2:1, \S+h3:1\)", out), out
+    # The graph's guarantee behind "the survivors hold the last completed step", on every rank.
+    assert len(re.findall(r"every update waits for the 2 gradient collectives", out)) == 7, out
+
+    sizes = [worker.FIRST_SIZE] * fault + [worker.FIRST_SIZE - 1] * (worker.TOTAL_STEPS - fault)
+    expected = worker.reference(sizes)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault, worker.TOTAL_STEPS],
+                             expected)
+    assert_resumed(out_dir, fault, expected, ranks=3)
+    assert_clean(model_dir, tmp_path, out)
+
+
+@needs_emulation
+def test_monitored_session_survivor_saves_the_last_step_and_too_few_ranks_left_is_an_error(
+        tmp_path, restart_worker):
+    """2 hosts over TCP, `--restarts 1` (--min-np defaults to -np 2): rank 1 is killed after
+    step 5. Rank 0 saves step 5 (checkpoint_dir() told every rank where); the launcher does not
+    restart on 1 rank and ends with an error saying why, with the job's failure code."""
+    worker, tf = restart_worker
+    model_dir = tmp_path / "model"
+    code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2", "--restarts", "1"],
+                               [MONITORED_WORKER, model_dir], {"TMPDIR": str(tmp_path)},
+                               timeout=TIMEOUT)
+    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    fault = worker.FAULT_STEP
+    assert (f"perseus_legacy[rank 0]: rank 1 was lost; saved global step {fault}: "
+            f"{model_dir}/model.ckpt-{fault}") in out, out
+    assert re.search(r"perseusrun: error: rank 1 lost with host \S+h1: 1 rank\(s\) would "
+                     r"remain, fewer than --min-np 2; not restarting", out), out
+    assert "restart 1 of 1" not in out and "UNEXPECTED" not in out, out
+    expected = worker.reference([2] * worker.TOTAL_STEPS)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault], expected)
+    assert_clean(model_dir, tmp_path, out)
+
+
+def test_mpi_job_restarts_from_rank_0s_last_periodic_checkpoint_redoing_the_steps_since(
+        tmp_path, restart_worker):
+    """What an MPI job loses: 4 local ranks under mpirun, `--restarts 1`; rank 0 is killed
+    after step 5. mpirun ends the survivors before any can save and names the dead rank; the
+    launcher starts the 4 ranks again (one machine: no host to leave out), which resume from
+    rank 0's periodic checkpoint of step 4 and train step 5 again."""
+    worker, tf = restart_worker
+    model_dir, out_dir = tmp_path / "model", tmp_path / "out"
+    out_dir.mkdir()
+    code, out = run_perseusrun(["-np", "4", "--restarts", "1"],
+                               [ESTIMATOR_WORKER, model_dir, out_dir], {"TMPDIR": str(tmp_path)},
+                               timeout=TIMEOUT)
+    assert code == 0, f"exit {code}:\n{failure_summary(out)}\n{out}"
+    assert "was lost;" not in out, out  # no survivor lived to save
+    assert re.search(r"noticed that process rank 0 with PID \d+ on node \S+ exited on", out), out
+    assert "perseusrun: rank 0 lost; restart 1 of 1 on 4 ranks (localhost:4)" in out, out
+    expected = worker.reference([worker.FIRST_SIZE] * worker.TOTAL_STEPS)
+    assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, 2 * worker.EVERY,
+                                             worker.TOTAL_STEPS], expected)
+    assert_resumed(out_dir, worker.EVERY, expected, ranks=4)
+    assert_clean(model_dir, tmp_path, out)
+
+
+def test_restarts_leave_out_the_lost_ranks_host_of_a_host_list_and_stop_below_min_np(capsys):
+    """The relaunch loop on -H a:2,b:2,c:1 (mpirun's by-slot placement), with a stand-in for the
+    job: rank 2 (host b) lost, then rank 0 (host a); this machine's ranks are never left out."""
+    from perseusrun import restarts
+
+    args = launch.parse_args(["-np", "5", "-H", "a:2,b:2,c:1", "--restarts", "3",
+                              "--min-np", "2", "python", "x"])
+    placement = restarts.placement_of([("a", 2), ("b", 2), ("c", 1)], 5)
+    assert placement == ["a", "a", "b", "b", "c"]
+    runs, losses = [], [{2}, {0}, {0}]
+
+    def run_once(placed: list, lost: set, left: float | None) -> int:
+        runs.append(list(placed))
+        lost.update(losses[len(runs) - 1])
+        return 1
+
+    assert restarts.run_with_restarts(args, placement, run_once, local=lambda h: False) == 1
+    assert runs == [["a", "a", "b", "b", "c"], ["a", "a", "c"]], runs
+    err = capsys.readouterr().err
+    assert "rank 2 lost with host b; restart 1 of 3 on 3 ranks (a:2, c:1)" in err, err
+    assert ("error: rank 0 lost with host a: 1 rank(s) would remain, fewer than --min-np 2; "
+            "not restarting") in err, err
+
+    # This machine's ranks start again as many; a failure without a lost rank ends the job.
+    runs.clear()
+    losses[:] = [{1}, set()]
+    assert restarts.run_with_restarts(args, ["localhost"] * 2, run_once) == 1
+    assert runs == [["localhost"] * 2] * 2, runs
+
+
+def test_min_np_above_np_is_a_usage_error():
+    assert launch.main(["--tcp", "-np", "2", "--restarts", "1", "--min-np", "3", "python",
+                        "x"]) == 2
+    assert launch.main(["--tcp", "-np", "2", "--restarts", "-1", "python", "x"]) == 2

@@ -1,0 +1,168 @@
+"""An unchanged Estimator with run_config() under `perseusrun --restarts` (tests/test_restarts.py).
+
+Usage: restart_estimator.py MODEL_DIR OUT_DIR [KILLED_RANK]
+
+Run on FIRST_SIZE ranks, rank KILLED_RANK (default 0) kills itself (SIGKILL) once global step
+FAULT_STEP is done, a step that is no checkpoint step (rank 0 checkpoints every EVERY steps),
+unless OUT_DIR/killed says it did already. The survivors fail at their next step; the lowest of
+them saves step FAULT_STEP into MODEL_DIR (perseus_legacy.tf1.survivor) and every survivor exits
+with the error, unhandled, as any program would. perseusrun then starts it again on the other
+ranks' hosts: it kills nothing, resumes from that checkpoint and trains to TOTAL_STEPS, and each
+rank writes OUT_DIR/rank<R>.json (the global step its session started and ended at) and
+OUT_DIR/rank<R>.npz (its final variables).
+
+A rank's batch is PER_RANK rows of the step's pool of rows, chosen by the global step: on n
+ranks a step's global batch is the pool's first n * PER_RANK rows (reference(): the same
+sequence of global batches in numpy).
+"""
+
+from __future__ import annotations  # noqa: I001 (import order below is deliberate)
+
+# perseus_legacy first: on TF >= 2.16 it brings tf.estimator back and selects legacy Keras.
+import perseus_legacy as pl
+
+import json
+import os
+import signal
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+FIRST_SIZE, EVERY, TOTAL_STEPS, FAULT_STEP = 4, 4, 9, 5
+PER_RANK, FEATURES = 2, 3
+LEARNING_RATE, MOMENTUM = 0.05, 0.9
+
+
+def pools() -> tuple:
+    """(x, y): x[s] holds the FIRST_SIZE * PER_RANK rows step s draws its batches from."""
+    rng = np.random.RandomState(11)
+    x = rng.normal(size=(TOTAL_STEPS, FIRST_SIZE * PER_RANK, FEATURES)).astype(np.float32)
+    true_w = np.array([[1.5], [-2.0], [0.5]], np.float32)
+    y = (x @ true_w + 0.1 * rng.normal(size=(TOTAL_STEPS, FIRST_SIZE * PER_RANK, 1)))
+    return x, y.astype(np.float32)
+
+
+def initial_values(rank: int) -> dict:
+    """Every rank starts elsewhere: only rank 0's restore and broadcast make them agree."""
+    rng = np.random.RandomState(rank + 50)
+    return {"w": rng.normal(size=(FEATURES, 1)).astype(np.float32),
+            "b": rng.normal(size=(1,)).astype(np.float32)}
+
+
+def reference(sizes: list) -> list:
+    """The variables after each step 0..TOTAL_STEPS when step s runs on sizes[s] ranks:
+    Momentum on the mean squared error of that step's global batch, in float64, from the first
+    run's rank 0 values."""
+    x, y = (a.astype(np.float64) for a in pools())
+    init = initial_values(0)
+    w, b = init["w"].astype(np.float64), init["b"].astype(np.float64)
+    w_slot, b_slot = np.zeros_like(w), np.zeros_like(b)
+    states = []
+    for step in range(TOTAL_STEPS + 1):
+        states.append({"w": w, "b": b, "w/Momentum": w_slot, "b/Momentum": b_slot,
+                       "global_step": np.int64(step)})
+        if step == TOTAL_STEPS:
+            break
+        rows = slice(0, sizes[step] * PER_RANK)
+        error = x[step, rows] @ w + b - y[step, rows]
+        w_grad = 2 * x[step, rows].T @ error / len(error)
+        b_grad = 2 * error.sum(axis=0) / len(error)
+        w_slot, b_slot = MOMENTUM * w_slot + w_grad, MOMENTUM * b_slot + b_grad
+        w, b = w - LEARNING_RATE * w_slot, b - LEARNING_RATE * b_slot
+    return states
+
+
+def input_fn(rank: int):
+    x, y = pools()
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+
+    def fn():
+        step = tf.compat.v1.train.get_global_step()
+        return {"x": tf.gather(x[:, rows], step)}, tf.gather(y[:, rows], step)
+
+    return fn
+
+
+def model_fn(features, labels, mode):
+    init = initial_values(pl.rank())
+    w = tf.compat.v1.get_variable("w", initializer=tf.constant(init["w"]))
+    b = tf.compat.v1.get_variable("b", initializer=tf.constant(init["b"]))
+    loss = tf.compat.v1.losses.mean_squared_error(labels, tf.matmul(features["x"], w) + b)
+    train_op = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM).minimize(
+        loss, global_step=tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+
+
+def check_updates_wait_for_whole_step(graph) -> None:
+    """Every update op (run_config()'s SyncReplicasHook rewrote them before this hook's begin)
+    depends on every gradient collective of the graph: none runs in a step some failed."""
+    collectives = {op for op in graph.get_operations() if op.type == "PerseusAllreduce"
+                   and op.name.startswith("PerseusSync/")}
+    for update in (op for op in graph.get_operations() if op.type.startswith("ResourceApply")):
+        seen, todo = set(), [update]
+        while todo:
+            op = todo.pop()
+            for parent in [t.op for t in op.inputs] + list(op.control_inputs):
+                if parent not in seen:
+                    seen.add(parent)
+                    todo.append(parent)
+        missing = sorted(c.name for c in collectives - seen)
+        if len(collectives) < 2 or missing:
+            sys.exit(f"[rank {pl.rank()}] FAILED: {update.name} does not wait for {missing} "
+                     f"(of {len(collectives)} gradient collectives)")
+    print(f"[rank {pl.rank()}] every update waits for the {len(collectives)} gradient "
+          "collectives of its step", flush=True)
+
+
+class Progress(tf.compat.v1.train.SessionRunHook):
+    """The steps this session started and ended at, its final variables; the fault."""
+
+    def __init__(self, killed_rank: int, out: str) -> None:
+        self._marker = os.path.join(out, "killed")  # the restart (as many ranks) kills nothing
+        self._kill = (pl.size() == FIRST_SIZE and pl.rank() == killed_rank
+                      and not os.path.exists(self._marker))
+        self.record: dict = {}
+        self.values: dict = {}
+
+    def begin(self) -> None:
+        self._step = tf.compat.v1.train.get_global_step()
+        self._variables = tf.compat.v1.global_variables()
+        check_updates_wait_for_whole_step(tf.compat.v1.get_default_graph())
+
+    def after_create_session(self, session, coord) -> None:
+        self.record["start_step"] = int(session.run(self._step))
+
+    def after_run(self, run_context, run_values) -> None:
+        if self._kill and run_context.session.run(self._step) == FAULT_STEP:
+            print(f"[rank {pl.rank()}] KILLED after step {FAULT_STEP}", flush=True)
+            open(self._marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def end(self, session) -> None:
+        values = session.run(self._variables)
+        self.values = {v.op.name: value for v, value in zip(self._variables, values)}
+        self.record["end_step"] = int(self.values["global_step"])
+
+
+def main() -> None:
+    model_dir, out = sys.argv[1:3]
+    killed_rank = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    config = pl.run_config(
+        model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
+        log_step_count_steps=None,
+        session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                                inter_op_parallelism_threads=1))
+    estimator = tf.estimator.Estimator(model_fn, config=config)
+    progress = Progress(killed_rank, out)
+    estimator.train(input_fn(pl.rank()), max_steps=TOTAL_STEPS, hooks=[progress])
+    rank = pl.rank()
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **progress.values)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(progress.record, f)
+    print(f"[rank {rank}] resumed at step {progress.record['start_step']}, ended at "
+          f"{progress.record['end_step']} on {pl.size()} ranks", flush=True)
+
+
+if __name__ == "__main__":
+    main()
