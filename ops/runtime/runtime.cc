@@ -89,6 +89,8 @@ Status AgreeOnSettings(Controller* controller, const Settings& settings) {
     }
   }
   s = controller->BroadcastFromCoordinator(&verdict);
+  // Rank 0 made the verdict: it reports it even when a rank that got it has left already.
+  if (controller->rank() == 0 && !verdict.empty()) return Status::Error(verdict);
   if (!s.ok()) return s;
   return verdict.empty() ? Status::OK() : Status::Error(verdict);
 }
