@@ -48,16 +48,19 @@ def main() -> None:
     addresses = os.environ["PERSEUS_TCP_ADDRESSES"].split(",")
     core.init_tcp(rank, addresses, rank, len(addresses), 0, 1, os.environ["PERSEUS_SECRET"],
                   60.0)
-    core.allreduce(np.ones(4), "before", op=1)
-    if rank == 1:
-        host, port = addresses[0].rsplit(":", 1)
-        control = sockets_to(host, int(port))[0]
-        if sys.argv[1] == "abort":
-            frame = struct.pack("<IIQ", 2, 0, len(FORGED_TEXT)) + FORGED_TEXT + os.urandom(32)
-        else:
-            frame = struct.pack("<IIQ", 1, 0, 1 << 30)
-        os.write(control, frame)
     try:
+        # Rank 0 may still be finishing "before" when rank 1 writes the frame: either of its
+        # collectives is refused then.
+        core.allreduce(np.ones(4), "before", op=1)
+        if rank == 1:
+            host, port = addresses[0].rsplit(":", 1)
+            control = sockets_to(host, int(port))[0]
+            if sys.argv[1] == "abort":
+                frame = (struct.pack("<IIQ", 2, 0, len(FORGED_TEXT)) + FORGED_TEXT +
+                         os.urandom(32))
+            else:
+                frame = struct.pack("<IIQ", 1, 0, 1 << 30)
+            os.write(control, frame)
         core.allreduce(np.ones(4), "after", op=1)
     except RuntimeError as exc:
         print(f"[rank {rank}] REFUSED: {exc}", flush=True)
