@@ -4,6 +4,8 @@ made on purpose with PERSEUS_DEBUG_FAULT, on rank 1 or on rank 0, the coordinato
 the failing rank stopped alone and the others waited for the stall limit and then blamed it for
 not responding. And init() is bounded on MPI: a rank frozen in the settings agreement or one that
 never calls init() fails the others within the limits, and settings that must agree are checked.
+A rank's Python program failing (an uncaught exception after init()) reaches every rank at once
+too, with the exception's type and message; one the program catches is not reported.
 
 Worker: tests/workers/fault_abort.py.
 """
@@ -50,6 +52,29 @@ def test_a_ranks_own_failure_reaches_every_rank_at_once_with_its_cause(
         assert "stopped responding" not in error, (rank, error)
         assert secs <= NOTICE_BOUND_SECS, (rank, secs, error)
     print({rank: secs for rank, (secs, _) in seen.items()})
+
+
+@pytest.mark.parametrize("controller", ["mpi", "tcp"])
+def test_an_uncaught_python_exception_on_rank_1_fails_rank_0_at_once_with_it(tmp_path, controller):
+    """Before, rank 0 learnt only that rank 1 had shut down (TCP) or was ended by the launcher
+    without a word (MPI). The exception rank 1 caught first was not reported: the allreduce
+    after it succeeded on both ranks."""
+    out = run_ranks(2, WORKER, tmp_path, "python", controller=controller, timeout=90, env=LIMITS,
+                    expect_failure=True).stdout
+    assert "[rank 1] caught ValueError('raised on purpose and caught')" in out, out
+    seen = reports(out, "FAULT_SEEN")
+    assert sorted(seen) == [0], out
+    secs, error = seen[0]
+    assert "rank 1 failed: ValueError: raised on purpose and not caught" in error, (error, out)
+    assert secs <= NOTICE_BOUND_SECS, (secs, error)
+    # The hook that was in place before init() ran too: the traceback is there.
+    assert "Traceback (most recent call last)" in out, out
+
+
+def test_a_python_exception_the_program_catches_leaves_the_job_to_end_normally(tmp_path):
+    out = run_ranks(2, WORKER, tmp_path, "caught", controller="tcp", timeout=90).stdout
+    assert "[rank 1] caught ValueError" in out, out
+    assert out.count("ENDED normally") == 2, out
 
 
 def test_mpi_rank_frozen_in_the_settings_agreement_is_named_within_the_stall_limit(tmp_path):

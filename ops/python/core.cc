@@ -383,6 +383,10 @@ PYBIND11_MODULE(_core, m) {
       "(host:port, rank order) and prove `secret`; MPI is never initialized.");
   m.def("shutdown", &Shutdown, py::call_guard<py::gil_scoped_release>(),
         "Leaves the process group; pending and later collectives fail on every rank.");
+  m.def("abort", &Abort, py::arg("reason"), py::call_guard<py::gil_scoped_release>(),
+        "This rank's program failed with `reason`: every rank's pending and later collectives "
+        "fail with it, the other ranks' at once. A no-op before init(), after shutdown() and "
+        "once the runtime has stopped.");
   m.def("is_initialized", &IsInitialized);
   m.def("rank", &Rank, "This process's rank, or -1 before init().");
   m.def("size", &Size, "Number of ranks, or -1 before init().");

@@ -39,6 +39,8 @@ namespace {
 // How long an idle rank sleeps before joining a round anyway, so that a peer's shutdown and the
 // coordinator's stall checks never wait on a rank that has nothing to submit.
 constexpr auto kHeartbeat = std::chrono::seconds(1);
+// How long Abort waits for the background thread to have told the other ranks.
+constexpr auto kAbortWait = std::chrono::seconds(10);
 
 // Settings that change which transfers a collective makes, or how the ranks' negotiation
 // messages line up, must be the same on every rank, or the ranks would wait on transfers the
@@ -99,6 +101,7 @@ class Runtime {
  public:
   Status Init(const std::string& transport, const TransportOptions& options);
   void Shutdown();
+  void Abort(const std::string& reason);
   // In the child of a fork(): the background thread and the connections stayed with the parent.
   void AfterFork() {
     if (initialized_) forked_ = true;
@@ -199,6 +202,8 @@ class Runtime {
   TensorQueue queue_;
   bool shutdown_requested_ = false;
   std::string stopped_reason_;  // set once the background thread has stopped for good
+  std::string abort_reason_;    // Abort's, until the background thread has made it Fatal
+  std::condition_variable stopped_cv_;  // notified once stopped_reason_ is set
   // join(): kRequested by the caller, kAnnounced once sent to the coordinator, kDone (with
   // join_status_ / join_last_) when every rank has joined or the runtime stopped.
   enum class JoinState { kIdle, kRequested, kAnnounced, kDone };
@@ -337,6 +342,7 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
     queue_.Clear();
     shutdown_requested_ = false;
     stopped_reason_.clear();
+    abort_reason_.clear();
     join_state_ = JoinState::kIdle;
     set_change_state_ = JoinState::kIdle;
     sets_.clear();
@@ -374,6 +380,18 @@ void Runtime::Shutdown() {
   }
   std::lock_guard<std::mutex> init_lock(init_mu_);
   ShutdownLocked();
+}
+
+void Runtime::Abort(const std::string& reason) {
+  if (forked_ || !initialized_) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  // Once stopped (a lost peer, a failure of this rank's own, a shutdown), every rank knows why.
+  if (shutdown_requested_ || !stopped_reason_.empty() || !abort_reason_.empty()) return;
+  abort_reason_ = reason;
+  cv_.notify_all();
+  // From a done callback the thread takes it up when the callback returns: do not wait on it.
+  if (std::this_thread::get_id() == loop_id_.load()) return;
+  stopped_cv_.wait_for(lock, kAbortWait, [this] { return !stopped_reason_.empty(); });
 }
 
 void Runtime::ShutdownLocked() {
@@ -645,11 +663,12 @@ void Runtime::LoopRounds() {
   while (true) {
     RequestList mine;
     std::vector<std::string> fresh;
+    std::string abort_reason;
     {
       std::unique_lock<std::mutex> lock(mu_);
       auto has_news = [this] {
-        return !queue_.empty() || shutdown_requested_ || join_state_ == JoinState::kRequested ||
-               set_change_state_ == JoinState::kRequested;
+        return !queue_.empty() || shutdown_requested_ || !abort_reason_.empty() ||
+               join_state_ == JoinState::kRequested || set_change_state_ == JoinState::kRequested;
       };
       // Idle ranks sleep until an arrival (negotiated at once: a lone request must not wait a
       // cycle) or the heartbeat. Ranks with requests outstanding keep joining rounds, since the
@@ -665,7 +684,8 @@ void Runtime::LoopRounds() {
           cv_.wait_for(lock, cycle, has_news);
         }
       }
-      fresh = queue_.AnnounceInto(&announced_);
+      abort_reason = abort_reason_;
+      if (abort_reason.empty()) fresh = queue_.AnnounceInto(&announced_);
       if (DebugFaultHere(DebugFault::kException)) {
         for (const std::string& name : fresh) {
           if (name.rfind(kDebugFaultPrefix, 0) == 0) {
@@ -687,6 +707,10 @@ void Runtime::LoopRounds() {
         mine.set_ranks = set_change_ranks_;
         mine.set_id = set_change_id_;
       }
+    }
+    if (!abort_reason.empty()) {
+      Fatal(abort_reason);
+      return;
     }
     if (!RunRound(fresh, &mine, &last_round_progressed)) return;
   }
@@ -904,6 +928,7 @@ void Runtime::Stop(const std::string& reason, const MessageFor& message_for) {
     stopped_reason_ = reason;
     queued = queue_.TakeAll();
   }
+  stopped_cv_.notify_all();
   for (auto& [name, a] : announced_) a.request.done(Status::Error(message_for(name)));
   announced_.clear();
   cache_.ForgetWaiting();
@@ -938,6 +963,7 @@ Status Init(const std::string& transport, const TransportOptions& options) {
   return State().Init(transport, options);
 }
 void Shutdown() { State().Shutdown(); }
+void Abort(const std::string& reason) { State().Abort(reason); }
 bool IsInitialized() { return State().initialized(); }
 int Rank() { return State().rank(); }
 int Size() { return State().size(); }

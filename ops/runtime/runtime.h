@@ -28,6 +28,13 @@ Status Init(const std::string& transport, const TransportOptions& options);
 // rank. Safe to call more than once, and when never initialized.
 void Shutdown();
 
+// This rank's program failed with `reason` (a full text naming the rank): the same path as a
+// failure of the runtime's own. Every other rank is told it at once, and this rank's pending and
+// later requests fail with it. Returns once the other ranks are told (at most a few seconds). A
+// no-op when not initialized, after a shutdown, and once this rank's runtime has stopped for
+// any reason (a lost peer, an earlier failure: every rank knows that one already).
+void Abort(const std::string& reason);
+
 bool IsInitialized();
 
 // Each of these returns -1 when not initialized.

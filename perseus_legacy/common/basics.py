@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from perseus_legacy.common import elastic_client, tf_config
+from perseus_legacy.common import elastic_client, failure, tf_config
 from perseus_legacy.common.native import (  # noqa: F401 (part of basics' API)
     NotInitializedError,
     core,
@@ -48,6 +48,7 @@ def init(comm: Any = None, process_sets: Any = None) -> None:
     rank must pass the same list. Horovod's "dynamic" is accepted: sets may always be added later.
     """
     _join_group(comm)
+    failure.install()  # an uncaught exception now fails every rank with its cause
     if process_sets is None or isinstance(process_sets, str):
         if process_sets not in (None, "dynamic"):
             raise ValueError(f"init(process_sets={process_sets!r}): pass a list of ProcessSet "

@@ -14,6 +14,11 @@ survivor prints one line (perseus_env.lost_rank_line: which rank was lost, which
 and where) and the error goes on as before: the rank exits. `perseusrun --restarts` reads that
 line, and a rerun, or a TF_CONFIG task restarted by its scheduler, resumes from that checkpoint.
 
+A rank whose own program fails is not lost: a watched session closing with an error of its
+own (a full disk in a checkpoint save, an op error; not the end of the input, not an error the
+runtime raised) fails every rank with that cause at once (perseus_legacy.common.failure), and
+no survivor saves then: the failure may lie in the state a save would write (a NaN, the disk).
+
 SyncReplicasHook and BroadcastGlobalVariablesHook call watch() once rank 0's variables are
 broadcast: a rank lost before then leaves no step to save. Over MPI, Open MPI's launcher ends the
 survivors as soon as a rank dies, so none saves (docs/multi-host.md says what that costs).
@@ -23,15 +28,18 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from typing import Any
 
 import tensorflow as tf
 
 import perseus_env
-from perseus_legacy.common import basics
+from perseus_legacy.common import basics, failure
 
 _LOST = re.compile(r"perseus_legacy: rank (\d+) \(")
 _WATCHED = "_perseus_survivor_watched"
+# A MonitoredSession recovers from these (it makes a new session): not an end of training.
+_RECOVERED = (tf.errors.AbortedError, tf.errors.UnavailableError)
 _job_checkpoint_dir: str | None = None
 
 
@@ -59,7 +67,8 @@ def lowest_survivor(lost: int, size: int) -> int:
 
 def watch(session: tf.compat.v1.Session) -> None:
     """From now on, a step of `session` failing because a rank is lost makes the lowest
-    survivor save this step's variables and every survivor report it (once per session)."""
+    survivor save this step's variables and every survivor report it (once per session); the
+    session closing with an error of this rank's own fails every rank with it."""
     if getattr(session, _WATCHED, False) or basics.size() == 1:
         return
     setattr(session, _WATCHED, True)
@@ -76,9 +85,20 @@ def watch(session: tf.compat.v1.Session) -> None:
                 _report(session, run, lost)
             raise
 
-    # The instance's own attribute: MonitoredSession's wrappers call session.run, and no other
-    # place sees a step's error while the session is still open.
+    close = session.close
+
+    def watched_close() -> None:
+        # MonitoredSession closes this session in its __exit__, where the error that ends
+        # training is the one being handled.
+        error = sys.exc_info()[1]
+        if error is not None and not isinstance(error, _RECOVERED) and lost_rank(error) is None:
+            failure.report(error)
+        close()
+
+    # The instance's own attributes: MonitoredSession's wrappers call session.run and close,
+    # and no other place sees a step's error while the session is still open.
     session.run = watched_run
+    session.close = watched_close
 
 
 def _report(session: Any, run: Any, lost: int) -> None:

@@ -4,6 +4,12 @@
                                    rank fail at the allreduce "debug_fault.0", after a few healthy
                                    ones. Every rank prints `[rank R] FAULT_SEEN after S s: <error>`
                                    (S: seconds since it submitted "debug_fault.0").
+    fault_abort.py DIR python      rank 1 catches an exception of its own (nothing is reported:
+                                   the next allreduce succeeds everywhere), then raises one it
+                                   does not catch, ValueError(UNCAUGHT); rank 0 prints
+                                   `[rank 0] FAULT_SEEN after S s: <error>` of its next allreduce
+                                   (S: seconds since it submitted it).
+    fault_abort.py DIR caught      the first part of `python` only: every rank ends normally.
     fault_abort.py DIR init        init() only: PERSEUS_DEBUG_FAULT=stop-at-agreement@1 or a
                                    disagreeing setting; every rank that returns from init()
                                    prints `[rank R] INIT_FAILED after S s: <error>`.
@@ -31,6 +37,7 @@ from perseus_legacy import _core
 from perseus_legacy.common import basics
 
 REPORT_WAIT_SECS = 30
+UNCAUGHT = "raised on purpose and not caught"
 
 
 def launcher_rank() -> int:
@@ -47,41 +54,73 @@ def leave(out_dir: Path, rank: int, size: int) -> None:
         time.sleep(0.05)
 
 
-def collective(out_dir: Path) -> None:
+def expect_failure(out_dir: Path, rank: int, size: int, tag: str, call, what: str) -> None:
+    """Runs `call`, which must fail: prints `[rank R] TAG after S s: <error>` and exits 1 once
+    every rank has reported."""
+    start = time.monotonic()
+    try:
+        call()
+    except RuntimeError as exc:
+        print(f"[rank {rank}] {tag} after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+        leave(out_dir, rank, size)
+        sys.exit(1)
+    print(f"[rank {rank}] UNEXPECTED: {what} succeeded", flush=True)
+
+
+def warmed_up() -> tuple[int, int, np.ndarray]:
+    """init() and a few healthy allreduces: (rank, size, the data)."""
     basics.init()
     rank, size = _core.rank(), _core.size()
     data = np.ones(1024, np.float32)
     for step in range(3):
         out = _core.allreduce(data, f"warm.{step}", op=1)
         assert out[0] == size, out[:4]
-    start = time.monotonic()
-    try:
-        _core.allreduce(data, "debug_fault.0", op=1)
-    except RuntimeError as exc:
-        print(f"[rank {rank}] FAULT_SEEN after {time.monotonic() - start:.1f} s: {exc}",
-              flush=True)
-        leave(out_dir, rank, size)
-        sys.exit(1)
-    print(f"[rank {rank}] UNEXPECTED: debug_fault.0 succeeded", flush=True)
+    return rank, size, data
+
+
+def collective(out_dir: Path) -> None:
+    rank, size, data = warmed_up()
+    expect_failure(out_dir, rank, size, "FAULT_SEEN",
+                   lambda: _core.allreduce(data, "debug_fault.0", op=1), "debug_fault.0")
+
+
+def python_error(out_dir: Path, uncaught: bool) -> None:
+    if launcher_rank() == 1:
+        # Installed before init(): perseus_legacy's hook reports first, then calls this one,
+        # which waits for rank 0's report (on MPI this rank's exit ends the job).
+        def hook(*exc_info) -> None:
+            sys.__excepthook__(*exc_info)
+            leave(out_dir, 1, 2)
+
+        sys.excepthook = hook
+    rank, size, data = warmed_up()
+    if rank == 1:
+        try:
+            raise ValueError("raised on purpose and caught")
+        except ValueError as exc:
+            print(f"[rank 1] caught {exc!r}", flush=True)
+    out = _core.allreduce(data, "after_caught", op=1)
+    assert out[0] == size, out[:4]
+    if not uncaught:
+        print(f"[rank {rank}] ENDED normally", flush=True)
+        return
+    if rank == 1:
+        raise ValueError(UNCAUGHT)
+    expect_failure(out_dir, rank, size, "FAULT_SEEN",
+                   lambda: _core.allreduce(data, "after_uncaught", op=1), "after_uncaught")
 
 
 def init_only(out_dir: Path, size: int) -> None:
-    rank = launcher_rank()
-    start = time.monotonic()
-    try:
-        basics.init()
-    except RuntimeError as exc:
-        print(f"[rank {rank}] INIT_FAILED after {time.monotonic() - start:.1f} s: {exc}",
-              flush=True)
-        leave(out_dir, rank, size)
-        sys.exit(1)
-    print(f"[rank {rank}] UNEXPECTED: init() succeeded", flush=True)
+    expect_failure(out_dir, launcher_rank(), size, "INIT_FAILED", basics.init, "init()")
 
 
 def main() -> None:
     out_dir, mode = Path(sys.argv[1]), sys.argv[2]
     if mode == "collective":
         collective(out_dir)
+        return
+    if mode in ("python", "caught"):
+        python_error(out_dir, uncaught=mode == "python")
         return
     if mode == "never-init" and launcher_rank() == 1:
         print("[rank 1] waiting for a signal instead of calling init()", flush=True)

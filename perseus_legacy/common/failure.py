@@ -1,0 +1,77 @@
+"""A rank's program fails: every rank learns it at once, with its cause.
+
+Without this, a rank whose Python program dies (an uncaught exception, a TensorFlow op error
+that ends its training) leaves the others waiting on collectives it will never join: they learn
+only that it shut down or closed its connections, not why. report() hands the cause to the
+runtime (`_core.abort`), which tells every rank as it does for a failure of its own, so each
+rank's pending and later collectives fail with `perseus_legacy: rank R failed: <Type>: <message>`.
+
+init() installs a sys.excepthook that reports an uncaught exception (then runs the hook that
+was in place); perseus_legacy.tf1.survivor reports the error with which a MonitoredSession
+closes. An exception the program catches is not reported. Survivors save no checkpoint after
+such a failure (unlike after a lost peer): the failure may lie in the state a save would write.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import TracebackType
+
+from perseus_legacy.common import native
+
+# Normal ends of a loop, not failures.
+_NOT_FAILURES = ("OutOfRangeError", "StopIteration", "GeneratorExit")
+# The runtime's own errors: a lost peer, another rank's failure, a failure of this rank's
+# runtime. Every rank has been told these already (or is being told by the rank that failed).
+_RUNTIME_MARK = "perseus_legacy: "
+_MAX_MESSAGE_CHARS = 2000
+
+_previous_hook = None
+
+
+def describe(error: BaseException) -> str:
+    """`<Type>: <message>`: a TensorFlow op error's `.message`, anything else's str()."""
+    message = getattr(error, "message", None)
+    if not isinstance(message, str):
+        message = str(error)
+    message = message.strip()[:_MAX_MESSAGE_CHARS]
+    name = type(error).__name__
+    return f"{name}: {message}" if message else name
+
+
+def is_reportable(error: BaseException | None) -> bool:
+    """Whether `error` is a failure of this rank's own program (not a normal end of a loop nor
+    an error the runtime raised, which every rank knows already)."""
+    if error is None or type(error).__name__ in _NOT_FAILURES:
+        return False
+    return _RUNTIME_MARK not in describe(error)
+
+
+def report(error: BaseException) -> None:
+    """Tells every rank that this rank failed with `error`; a no-op when `error` is not
+    reportable, before init(), after shutdown() and once the runtime has stopped."""
+    if not is_reportable(error) or not native.is_initialized():
+        return
+    core = native.core()
+    rank = core.rank()
+    if rank < 0:
+        return
+    core.abort(f"rank {rank} failed: {describe(error)}")
+
+
+def _excepthook(kind: type[BaseException], error: BaseException,
+                traceback: TracebackType | None) -> None:
+    try:
+        report(error)  # first: the other ranks are waiting on this one
+    finally:
+        (_previous_hook or sys.__excepthook__)(kind, error, traceback)
+
+
+def install() -> None:
+    """Reports uncaught exceptions from now on (once per process); the hook in place still runs,
+    after the report."""
+    global _previous_hook
+    if sys.excepthook is _excepthook:
+        return
+    _previous_hook = sys.excepthook
+    sys.excepthook = _excepthook
