@@ -14,6 +14,7 @@ such a failure (unlike after a lost peer): the failure may lie in the state a sa
 
 from __future__ import annotations
 
+import re
 import sys
 from types import TracebackType
 
@@ -25,16 +26,22 @@ _NOT_FAILURES = ("OutOfRangeError", "StopIteration", "GeneratorExit")
 # runtime. Every rank has been told these already (or is being told by the rank that failed).
 _RUNTIME_MARK = "perseus_legacy: "
 _MAX_MESSAGE_CHARS = 2000
+# A traceback's frame lines, and where TensorFlow appends the stack that built the failing op.
+_FRAME = re.compile(r'\s*File "')
+_TRACE_START = "\nOriginal stack trace for"
 
 _previous_hook = None
 
 
 def describe(error: BaseException) -> str:
-    """`<Type>: <message>`: a TensorFlow op error's `.message`, anything else's str()."""
+    """`<Type>: <message>` on one line: a TensorFlow op error's `.message`, anything else's
+    str(), without the stack traces TensorFlow puts into its messages."""
     message = getattr(error, "message", None)
     if not isinstance(message, str):
         message = str(error)
-    message = message.strip()[:_MAX_MESSAGE_CHARS]
+    message = message.split(_TRACE_START, 1)[0]
+    lines = (line.strip() for line in message.splitlines() if not _FRAME.match(line))
+    message = " ".join(line for line in lines if line)[:_MAX_MESSAGE_CHARS]
     name = type(error).__name__
     return f"{name}: {message}" if message else name
 
