@@ -19,7 +19,9 @@ RunConfig has no say in the hooks of a training run:
   returns rank 0's metrics and export results; when TF_CONFIG names an evaluator task, the ranks
   only train.
 - `_TrainingExecutor._Evaluator.evaluate_and_export` (the TF_CONFIG evaluator's loop): fails when
-  no new checkpoint appears for `evaluator_timeout_secs`.
+  no new checkpoint appears for `evaluator_timeout_secs`; when the chief deletes the checkpoint
+  it chose before it could read it (`keep_checkpoint_max`), says so and evaluates the latest one
+  instead, and fails after MAX_DELETED_IN_A_ROW such passes in a row.
 """
 
 from __future__ import annotations
@@ -232,12 +234,49 @@ class EvaluatorTimeoutError(RuntimeError):
     """The TF_CONFIG evaluator saw no new checkpoint for `evaluator_timeout_secs`."""
 
 
+class CheckpointDeletedError(RuntimeError):
+    """The chief deleted every checkpoint the TF_CONFIG evaluator chose before it could read it,
+    MAX_DELETED_IN_A_ROW times in a row."""
+
+
+MAX_DELETED_IN_A_ROW = 5
+
+
 def _evaluate_and_export(original: Callable, self: Any) -> Any:
+    """The evaluator's pass, again on the latest checkpoint when the chosen one was deleted."""
+    estimator = self._estimator
+    if not (_is_distributed(estimator) and estimator.config.task_type == "evaluator"):
+        return original(self)
+    chosen = estimator.latest_checkpoint()
+    try:
+        result = _evaluate_unless_timed_out(original, self, chosen)
+    except EvaluatorTimeoutError:
+        raise
+    except Exception as error:
+        if chosen is None or tf.io.gfile.exists(chosen + ".index"):
+            raise
+        deleted = getattr(self, "_perseus_deleted", 0) + 1
+        self._perseus_deleted = deleted
+        keep = estimator.config.keep_checkpoint_max
+        if deleted >= MAX_DELETED_IN_A_ROW:
+            raise CheckpointDeletedError(
+                f"perseus_legacy evaluator: the chief deleted {deleted} checkpoints in a row "
+                f"before this evaluator could read them, the last {chosen} "
+                f"(keep_checkpoint_max={keep}): it writes checkpoints faster than they are "
+                "evaluated; raise keep_checkpoint_max in run_config()") from error
+        tf.compat.v1.logging.warning(
+            f"perseus_legacy evaluator: {chosen} was deleted before it could be read (the chief "
+            f"keeps keep_checkpoint_max={keep} checkpoints); evaluating the latest one, "
+            f"{estimator.latest_checkpoint()}, instead")
+        return _evaluate_and_export(original, self)
+    self._perseus_deleted = 0
+    return result
+
+
+def _evaluate_unless_timed_out(original: Callable, self: Any, latest: str | None) -> Any:
     estimator = self._estimator
     config_ = estimator.config
-    if not (_is_distributed(estimator) and config_.task_type == "evaluator"):
-        return original(self)
-    latest, now = estimator.latest_checkpoint(), time.monotonic()
+    now = time.monotonic()
     seen = getattr(self, "_perseus_seen", None)  # (checkpoint, when it was first seen)
     if seen is None or seen[0] != latest:
         self._perseus_seen = (latest, now)

@@ -43,6 +43,9 @@ JOBS = {
            [("chief", 0, STEPS), ("worker", 0, STEPS), ("ps", 0, STEPS)], {}, False),
     "max_steps": ("main", {"chief": 1, "worker": 1},
                   [("chief", 0, STEPS), ("worker", 0, STEPS + 2)], {}, False),
+    "deleted_checkpoint": ("main", {"chief": 1, "worker": 1, "evaluator": 1},
+                           [("evaluator", 0, STEPS), ("chief", 0, STEPS), ("worker", 0, STEPS)],
+                           {"EST_DELETED_CHECKPOINT": "1"}, True),
     "evaluator_timeout": ("main", {"chief": 1, "worker": 1, "evaluator": 1},
                           [("evaluator", 0, STEPS)], {"PERSEUS_EVALUATOR_TIMEOUT_SECS": "3"},
                           False),
@@ -224,6 +227,29 @@ def test_ranks_given_different_max_steps_fail_naming_ranks_and_values(jobs):
     assert not (job["model_dir"] / "checkpoint").exists()
 
 
+def test_evaluator_evaluates_the_latest_checkpoint_when_the_chief_deletes_the_one_it_chose(jobs):
+    """keep_checkpoint_max=1: the chief deletes step 0's checkpoint after the evaluator chose it
+    and before it read it (a file handshake, est_tf_config.py). Before, the evaluator failed;
+    now it says so and evaluates the latest checkpoint, up to the final one, whose metrics equal
+    the reference's."""
+    job = jobs.job("deleted_checkpoint")
+    assert job["codes"] == {"evaluator0": 0, "chief0": 0, "worker0": 0}, job["everything"]
+    chosen = (job["model_dir"].parent / "chosen").read_text()
+    assert chosen == str(job["model_dir"] / "model.ckpt-0"), chosen
+    assert (f"perseus_legacy evaluator: {chosen} was deleted before it could be read (the chief "
+            "keeps keep_checkpoint_max=1 checkpoints)") in job["outputs"]["evaluator0"], \
+        job["everything"]
+    events = job["records"]["evaluator0"]["eval_events"]
+    assert "0" not in events and max(int(step) for step in events) == STEPS, events
+    expected = jobs.reference("main")["record"]["metrics"]
+    for tag in ("accuracy", "loss", "average_loss"):
+        np.testing.assert_allclose(events[str(STEPS)][tag], expected[tag], rtol=RTOL, atol=ATOL,
+                                   err_msg=tag)
+    checkpoints = [f for f in files_under(job["model_dir"])
+                   if f.startswith("model.ckpt") and f.endswith(".index")]
+    assert checkpoints == [f"model.ckpt-{STEPS}.index"], checkpoints
+
+
 def test_evaluator_without_checkpoints_times_out_clearly(jobs):
     job = jobs.job("evaluator_timeout")
     assert job["codes"]["evaluator0"] > 0, job["everything"]
@@ -252,3 +278,41 @@ def test_evaluator_config_joins_no_group_and_takes_its_timeout(monkeypatch, tmp_
         pl.run_config(model_dir=str(tmp_path))
     with pytest.raises(ValueError, match=r"evaluator_timeout_secs=-1\)"):
         pl.run_config(model_dir=str(tmp_path), evaluator_timeout_secs=-1)
+
+
+def test_evaluator_fails_after_five_deleted_checkpoints_in_a_row(monkeypatch, tmp_path):
+    """In this process: an evaluation pass whose checkpoint is always gone by the time it is
+    read (each a new one) is retried on the latest; the fifth in a row fails, telling the user
+    to raise keep_checkpoint_max. A failure while the checkpoint still exists is not retried."""
+    import types
+
+    import perseus_legacy as pl
+    from perseus_legacy.estimator import _training
+
+    cluster = {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"], "evaluator": ["127.0.0.1:3"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster,
+                                                "task": {"type": "evaluator", "index": 0}}))
+    config = pl.run_config(model_dir=str(tmp_path), keep_checkpoint_max=2)
+    chosen = []
+
+    def latest_checkpoint() -> str:  # a newer checkpoint each time, deleted at once
+        chosen.append(str(tmp_path / f"model.ckpt-{2 * len(chosen)}"))
+        return chosen[-1]
+
+    def evaluate(executor):
+        raise ValueError(f"The passed save_path is not a valid checkpoint: {chosen[-1]}")
+
+    estimator = types.SimpleNamespace(config=config, model_dir=str(tmp_path),
+                                      latest_checkpoint=latest_checkpoint)
+    executor = types.SimpleNamespace(_estimator=estimator)
+    with pytest.raises(_training.CheckpointDeletedError,
+                       match=r"deleted 5 checkpoints in a row .* the last .*model\.ckpt-\d+ "
+                             r"\(keep_checkpoint_max=2\).* raise keep_checkpoint_max"):
+        _training._evaluate_and_export(evaluate, executor)
+    assert len(set(chosen)) >= 5, chosen  # each retry took the latest checkpoint anew
+
+    (tmp_path / "model.ckpt-0.index").write_bytes(b"")  # still there: a failure of its own
+    estimator.latest_checkpoint = lambda: str(tmp_path / "model.ckpt-0")
+    chosen.append(estimator.latest_checkpoint())
+    with pytest.raises(ValueError, match="not a valid checkpoint"):
+        _training._evaluate_and_export(evaluate, executor)

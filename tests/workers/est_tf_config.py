@@ -8,6 +8,12 @@ Every task runs `train_and_evaluate` on a DNNClassifier built on perseus_legacy.
 of every global batch; the reference trains one plain Estimator on the whole global batch, then
 evaluates its final checkpoint. Each process writes OUT_DIR/<WHO>.json (what it saw) and, on the
 chief and the reference, OUT_DIR/<WHO>.npz (the variables of the final checkpoint).
+
+With EST_DELETED_CHECKPOINT=1 (every task) the chief keeps one checkpoint (keep_checkpoint_max=1)
+and the evaluator's first checkpoint is deleted between its choice and its read: the evaluator's
+first evaluation writes its choice into OUT_DIR/chosen, then waits until the checkpoint is gone;
+the chief trains its first step only once OUT_DIR/chosen is there, so its save of step 2
+deletes it. A file handshake: no timing.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -18,6 +24,7 @@ import perseus_legacy as pl
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -29,6 +36,8 @@ STEPS = 6
 GLOBAL_BATCH = 16
 FEATURES, CLASSES = 4, 3
 SERVERS: list = []  # every TF server (tf.distribute.Server) this process created
+DELETED_CHECKPOINT = os.environ.get("EST_DELETED_CHECKPOINT") == "1"
+HANDSHAKE_SECS = 240
 
 
 def _recording_init(original):
@@ -73,9 +82,48 @@ def estimator(config):
 
 
 def config_kwargs(model_dir: str) -> dict:
-    return {"model_dir": model_dir, "tf_random_seed": SEED, "save_checkpoints_steps": 2,
-            "session_config": tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                                       inter_op_parallelism_threads=1)}
+    kwargs = {"model_dir": model_dir, "tf_random_seed": SEED, "save_checkpoints_steps": 2,
+              "session_config": tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                                         inter_op_parallelism_threads=1)}
+    if DELETED_CHECKPOINT:
+        kwargs["keep_checkpoint_max"] = 1
+    return kwargs
+
+
+def wait_for(what: str, done) -> None:
+    """Polls `done()` until it holds; exits with an error after HANDSHAKE_SECS."""
+    deadline = time.monotonic() + HANDSHAKE_SECS
+    while not done():
+        if time.monotonic() > deadline:
+            sys.exit(f"the handshake failed: {what} within {HANDSHAKE_SECS} s")
+        time.sleep(0.05)
+
+
+class ChiefWaitsForTheChoice(tf.compat.v1.train.SessionRunHook):
+    """The chief's first step waits until the evaluator has chosen a checkpoint."""
+
+    def __init__(self, out: str) -> None:
+        self._chosen = os.path.join(out, "chosen")
+
+    def before_run(self, run_context):
+        wait_for("the evaluator chose a checkpoint", lambda: os.path.exists(self._chosen))
+
+
+class EvaluatorWaitsForTheDeletion(tf.compat.v1.train.SessionRunHook):
+    """In its first evaluation, between choosing the checkpoint and restoring it (begin() runs
+    before the session is created), the evaluator waits until the chief has deleted it."""
+
+    def __init__(self, out: str, est) -> None:
+        self._chosen, self._estimator = os.path.join(out, "chosen"), est
+
+    def begin(self) -> None:
+        if os.path.exists(self._chosen):
+            return
+        chosen = self._estimator.latest_checkpoint()  # the chief waits: nothing newer yet
+        with open(self._chosen, "w") as f:
+            f.write(chosen)
+        wait_for(f"the chief deleted {chosen}",
+                 lambda: not tf.io.gfile.exists(chosen + ".index"))
 
 
 def checkpoint_values(model_dir: str) -> dict:
@@ -117,9 +165,15 @@ def task(out: str, model_dir: str, who: str, max_steps: int) -> None:
     exporter = tf.estimator.LatestExporter("latest", tf.estimator.export.
                                            build_parsing_serving_input_receiver_fn(
                                                tf.feature_column.make_parse_example_spec(COLUMNS)))
-    train_spec = tf.estimator.TrainSpec(train_input_fn(rank or 0, size or 1), max_steps=max_steps)
+    train_hooks, eval_hooks = [], []
+    if DELETED_CHECKPOINT and rank == 0:
+        train_hooks.append(ChiefWaitsForTheChoice(out))
+    if DELETED_CHECKPOINT and evaluator:
+        eval_hooks.append(EvaluatorWaitsForTheDeletion(out, est))
+    train_spec = tf.estimator.TrainSpec(train_input_fn(rank or 0, size or 1), max_steps=max_steps,
+                                        hooks=train_hooks)
     eval_spec = tf.estimator.EvalSpec(eval_input_fn, steps=None, exporters=[exporter],
-                                      start_delay_secs=0, throttle_secs=1)
+                                      start_delay_secs=0, throttle_secs=1, hooks=eval_hooks)
     result = tf.estimator.train_and_evaluate(est, train_spec, eval_spec)
     record = {
         "rank": rank, "size": size, "model_dir": est.model_dir, "servers": SERVERS,
