@@ -67,6 +67,7 @@ def test_an_uncaught_python_exception_on_rank_1_fails_rank_0_at_once_with_it(tmp
     secs, error = seen[0]
     assert "rank 1 failed: ValueError: raised on purpose and not caught" in error, (error, out)
     assert secs <= NOTICE_BOUND_SECS, (secs, error)
+    print(f"rank 0 failed after {secs} s")
     # The hook that was in place before init() ran too: the traceback is there.
     assert "Traceback (most recent call last)" in out, out
 

@@ -44,14 +44,17 @@ def launcher_rank() -> int:
     return int(os.environ.get("PERSEUS_TCP_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
 
 
+def await_files(paths: list[Path]) -> None:
+    """Polls until every file in `paths` exists, for at most REPORT_WAIT_SECS."""
+    deadline = time.monotonic() + REPORT_WAIT_SECS
+    while not all(path.exists() for path in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def leave(out_dir: Path, rank: int, size: int) -> None:
     """Marks this rank as reported and waits for the others' marks (bounded)."""
     (out_dir / f"seen.{rank}").write_text("")
-    deadline = time.monotonic() + REPORT_WAIT_SECS
-    while time.monotonic() < deadline:
-        if all((out_dir / f"seen.{r}").exists() for r in range(size)):
-            return
-        time.sleep(0.05)
+    await_files([out_dir / f"seen.{r}" for r in range(size)])
 
 
 def expect_failure(out_dir: Path, rank: int, size: int, tag: str, call, what: str) -> None:
@@ -104,7 +107,11 @@ def python_error(out_dir: Path, uncaught: bool) -> None:
     if not uncaught:
         print(f"[rank {rank}] ENDED normally", flush=True)
         return
-    if rank == 1:
+    if rank == 0:
+        (out_dir / "after_caught.0").write_text("")
+    else:
+        # Not before rank 0 has its result: the notice could overtake the allreduce's last data.
+        await_files([out_dir / "after_caught.0"])
         raise ValueError(UNCAUGHT)
     expect_failure(out_dir, rank, size, "FAULT_SEEN",
                    lambda: _core.allreduce(data, "after_uncaught", op=1), "after_uncaught")
