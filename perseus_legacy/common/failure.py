@@ -22,9 +22,6 @@ from perseus_legacy.common import native
 
 # Normal ends of a loop, not failures.
 _NOT_FAILURES = ("OutOfRangeError", "StopIteration", "GeneratorExit")
-# The runtime's own errors: a lost peer, another rank's failure, a failure of this rank's
-# runtime. Every rank has been told these already (or is being told by the rank that failed).
-_RUNTIME_MARK = "perseus_legacy: "
 _MAX_MESSAGE_CHARS = 2000
 # A traceback's frame lines, and where TensorFlow appends the stack that built the failing op.
 _FRAME = re.compile(r'\s*File "')
@@ -46,18 +43,11 @@ def describe(error: BaseException) -> str:
     return f"{name}: {message}" if message else name
 
 
-def is_reportable(error: BaseException | None) -> bool:
-    """Whether `error` is a failure of this rank's own program (not a normal end of a loop nor
-    an error the runtime raised, which every rank knows already)."""
-    if error is None or type(error).__name__ in _NOT_FAILURES:
-        return False
-    return _RUNTIME_MARK not in describe(error)
-
-
 def report(error: BaseException) -> None:
-    """Tells every rank that this rank failed with `error`; a no-op when `error` is not
-    reportable, before init(), after shutdown() and once the runtime has stopped."""
-    if not is_reportable(error) or not native.is_initialized():
+    """Tells every rank that this rank failed with `error`; a no-op for the normal end of a
+    loop, before init(), after shutdown() and once the runtime has stopped (after a lost peer
+    or another rank's failure, which every rank knows already)."""
+    if type(error).__name__ in _NOT_FAILURES or not native.is_initialized():
         return
     core = native.core()
     rank = core.rank()
