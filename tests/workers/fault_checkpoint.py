@@ -30,7 +30,6 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 # perseus_legacy first: on TF >= 2.16 it brings tf.estimator back and selects legacy Keras.
 import perseus_legacy as pl
 
-import json
 import os
 import re
 import signal
@@ -41,6 +40,7 @@ import time
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.training.saver import BulkSaverBuilder
+from worker_util import write_resumed
 
 EVERY, TOTAL_STEPS = 3, 12
 FAULT_STEP = 7  # not a checkpoint step: the last checkpoint before the fault is step 6
@@ -211,11 +211,7 @@ def main() -> None:
         print(f"[rank {rank}] UNEXPECTED: trained to step {TOTAL_STEPS} through the {phase} "
               "fault", flush=True)
         sys.exit(2)
-    np.savez(os.path.join(out, f"rank{rank}.npz"), **progress.values)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(progress.record, f)
-    print(f"[rank {rank}] resumed at step {progress.record['start_step']}, ended at "
-          f"{progress.record['end_step']}", flush=True)
+    write_resumed(out, rank, progress.record, progress.values)
 
 
 if __name__ == "__main__":

@@ -21,13 +21,13 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 # perseus_legacy first: on TF >= 2.16 it brings tf.estimator back and selects legacy Keras.
 import perseus_legacy as pl
 
-import json
 import os
 import signal
 import sys
 
 import numpy as np
 import tensorflow as tf
+from worker_util import write_resumed
 
 FIRST_SIZE, EVERY, TOTAL_STEPS, FAULT_STEP = 4, 4, 9, 5
 PER_RANK, FEATURES = 2, 3
@@ -156,12 +156,7 @@ def main() -> None:
     estimator = tf.estimator.Estimator(model_fn, config=config)
     progress = Progress(killed_rank, out)
     estimator.train(input_fn(pl.rank()), max_steps=TOTAL_STEPS, hooks=[progress])
-    rank = pl.rank()
-    np.savez(os.path.join(out, f"rank{rank}.npz"), **progress.values)
-    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(progress.record, f)
-    print(f"[rank {rank}] resumed at step {progress.record['start_step']}, ended at "
-          f"{progress.record['end_step']} on {pl.size()} ranks", flush=True)
+    write_resumed(out, pl.rank(), progress.record, progress.values, f" on {pl.size()} ranks")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ The launching side's helpers are in tests/harness.py.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from typing import Callable
@@ -77,6 +78,17 @@ def agree(rank: int, what: str, value) -> None:
         if not np.array_equal(theirs, everyone[0]):
             gap = np.abs(theirs.astype(np.float64) - everyone[0].astype(np.float64)).max()
             fail(rank, f"{what}: rank {r} differs from rank 0 by {gap}")
+
+
+def write_resumed(out: str, rank: int, record: dict, values: dict, note: str = "") -> None:
+    """A rerun's results, as harness.assert_resumed reads them: OUT/rank<R>.json (`record`: the
+    global steps its session started and ended at) and OUT/rank<R>.npz (`values`: its final
+    variables); prints where it resumed, then `note`."""
+    np.savez(os.path.join(out, f"rank{rank}.npz"), **values)
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    print(f"[rank {rank}] resumed at step {record['start_step']}, ended at "
+          f"{record['end_step']}{note}", flush=True)
 
 
 def files_under(path: str) -> list:
