@@ -24,6 +24,8 @@ constexpr int kRingTag = 21;  // the control plane's tags are 17-20, on another 
 // Within a host (shared memory) larger chunks cost fewer waits.
 constexpr int64_t kCrossHostChunkBytes = int64_t{63} << 10;
 constexpr int64_t kOneHostChunkBytes = int64_t{256} << 10;
+// The largest reduce-scatter scratch kept between allreduces.
+constexpr size_t kKeptScratchBytes = size_t{64} << 20;
 
 Status CheckRing(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
@@ -55,7 +57,9 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   const std::vector<int> peers{WorldRank(prev), WorldRank(next)};
   // The same on every rank of the ring: the sizes of the chunks sent and received must agree.
   const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;
-  ring_scratch_.resize(static_cast<size_t>((count / n + 1) * item));
+  if (part != RingPart::kAllgather) {
+    ring_scratch_.resize(static_cast<size_t>((count / n + 1) * item));
+  }
 
   // Steps [begin, end) of 2(n - 1): step j sends segment sent(j) to the next rank and receives
   // segment received(j) from the previous one. The first n - 1 (reduce-scatter) receive into
@@ -135,6 +139,9 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
     if (s.ok()) s = wait_one(&request, peers[1]);
   }
   if (!s.ok() && failed_.ok()) failed_ = s;
+  // A segment of a large tensor is not held until the next allreduce (a tensor of 2 GiB on two
+  // ranks: 1 GiB). After a failure receives may still be posted into it: kept.
+  if (s.ok() && ring_scratch_.size() > kKeptScratchBytes) std::vector<char>().swap(ring_scratch_);
   return s;
 }
 
