@@ -2,8 +2,9 @@
 
 One launch per controller runs tests/workers/big_tensors.py: an in-place int8 allreduce (Sum) of
 2**31 + 4099 elements, an allgather whose output is over 2 GiB with a rank's block starting past
-2 GiB, and a broadcast over 2 GiB, each compared with numpy element by element. MPI's counts are
-ints: past them its collectives run in pieces (mpi_controller.cc); this is what tests that.
+2 GiB, a broadcast over 2 GiB, and an alltoall sending over 2 GiB to one rank, each compared
+with numpy element by element. MPI's counts are ints: past them its collectives run in pieces
+(mpi_controller.cc); this is what tests that.
 Each rank holds about two copies of the tensor at its peak; on a machine without the memory the
 test skips, saying how much it needs.
 """
@@ -16,6 +17,7 @@ import pytest
 from harness import CONTROLLERS, run_ranks
 
 COUNT = 2**31 + 4099  # int8: over 2 GiB and over INT_MAX elements
+SMALL = (1 << 20) + 3  # the worker's small blocks
 TENSOR_GIB = COUNT / 2**30
 # Per rank: the tensor and the allgather output (or the broadcast's input and output), the
 # transport's scratch in between, and the interpreter; two ranks.
@@ -31,7 +33,7 @@ def available_gib() -> float:
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
-def test_allreduce_allgather_broadcast_over_2gib_and_int_max_elements_match_numpy(controller):
+def test_collectives_over_2gib_and_int_max_elements_match_numpy(controller):
     if available_gib() < NEEDED_GIB:
         pytest.skip(f"needs {NEEDED_GIB:.1f} GiB of available memory for two ranks holding "
                     f"about two {TENSOR_GIB:.1f} GiB tensors each; "
@@ -39,8 +41,9 @@ def test_allreduce_allgather_broadcast_over_2gib_and_int_max_elements_match_nump
     out = run_ranks(2, "tests/workers/big_tensors.py", COUNT, timeout=240,
                     controller=controller).stdout
     for rank in range(2):
-        for what in (f"allreduce of {COUNT}", f"allgather of {COUNT + (1 << 20) + 3}",
-                     f"broadcast of {COUNT + (1 << 20) + 3}"):
+        done = [f"allreduce of {COUNT}"] + [f"{collective} of {COUNT + SMALL}" for collective
+                                            in ("allgather", "broadcast", "alltoall")]
+        for what in done:
             assert f"[rank {rank}] {what} int8 elements OK" in out, out
         assert f"[rank {rank}] big tensors OK" in out, out
         peak = re.search(rf"\[rank {rank}\] peak memory ([0-9.]+) GiB", out)

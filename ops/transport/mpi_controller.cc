@@ -779,8 +779,16 @@ Status MpiController::Alltoallv(const void* in, const std::vector<int64_t>& send
                                 void* out, const std::vector<int64_t>& recv_counts,
                                 size_t unit_bytes) {
   if (!failed_.ok()) return failed_;
-  if (!VectorLayout::Fits(send_counts, unit_bytes) ||
-      !VectorLayout::Fits(recv_counts, unit_bytes)) {
+  // Every rank must take the same path, and each knows only its own counts: they agree on it.
+  int fits = VectorLayout::Fits(send_counts, unit_bytes) &&
+             VectorLayout::Fits(recv_counts, unit_bytes);
+  Status agreed = StartAndWait(
+      [&](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, &fits, 1, MPI_INT, MPI_LAND, data_, r);
+      },
+      "MPI_Iallreduce", WaitFor::kCollective);
+  if (!agreed.ok()) return agreed;
+  if (!fits) {
     return PairwiseExchange(static_cast<const char*>(in), Blocks(send_counts, unit_bytes),
                             static_cast<char*>(out), Blocks(recv_counts, unit_bytes),
                             "alltoall of 2 GiB or more");

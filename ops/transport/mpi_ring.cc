@@ -7,6 +7,8 @@
 // all, so every rank ends with the same bits. Waits are the controller's bounded ones.
 #include <algorithm>
 #include <cstring>
+#include <new>
+#include <string>
 
 #include "common/reduce.h"
 #include "transport/mpi_controller.h"
@@ -58,7 +60,16 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   // The same on every rank of the ring: the sizes of the chunks sent and received must agree.
   const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;
   if (part != RingPart::kAllgather) {
-    ring_scratch_.resize(static_cast<size_t>((count / n + 1) * item));
+    const size_t scratch = static_cast<size_t>((count / n + 1) * item);
+    try {
+      ring_scratch_.resize(scratch);
+    } catch (const std::bad_alloc&) {
+      // Nothing is posted yet: the error names the size instead of a bad_alloc on the thread.
+      return Failed(Status::Error("perseus_legacy: rank " + std::to_string(WorldRank(me)) +
+                                  " cannot allocate " + std::to_string(scratch) +
+                                  " bytes for the ring allreduce of " + std::to_string(count) +
+                                  " " + DataTypeName(dtype) + " elements"));
+    }
   }
 
   // Steps [begin, end) of 2(n - 1): step j sends segment sent(j) to the next rank and receives

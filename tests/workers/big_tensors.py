@@ -58,16 +58,19 @@ def fill(pattern: Pattern, out: np.ndarray) -> None:
                out=out[start:start + length], dtype=np.int8)
 
 
-def check(rank: int, what: str, got: np.ndarray, pattern: Pattern, base: int = 0) -> None:
-    """Fails unless got[i] == pattern(i) for every i (block by block, without a full copy)."""
-    for start in range(0, got.size, BLOCK):
-        length = min(BLOCK, got.size - start)
-        expected = pattern.window(start, length) + np.int8(pattern.offset(start // BLOCK))
-        block = got[start:start + length]
-        if not np.array_equal(block, expected):
-            at = start + int(np.flatnonzero(block != expected)[0])
-            fail(rank, f"{what}: element {base + at} is {got[at]}, expected "
-                       f"{expected[at - start]}")
+def check(rank: int, what: str, got: np.ndarray, pattern: Pattern, first: int = 0) -> None:
+    """Fails unless got[i] == pattern(first + i) for every i (piece by piece, each within one
+    of the pattern's blocks, without a full copy)."""
+    at = 0
+    while at < got.size:
+        index = first + at
+        length = min(got.size - at, (index // BLOCK + 1) * BLOCK - index)
+        expected = pattern.window(index, length) + np.int8(pattern.offset(index // BLOCK))
+        piece = got[at:at + length]
+        if not np.array_equal(piece, expected):
+            bad = int(np.flatnonzero(piece != expected)[0])
+            fail(rank, f"{what}: element {at + bad} is {piece[bad]}, expected {expected[bad]}")
+        at += length
 
 
 def maxrss_gib() -> float:
@@ -103,7 +106,7 @@ def main() -> None:
     if gathered.shape != (count + SMALL,):
         fail(rank, f"allgather: shape {gathered.shape}, expected {(count + SMALL,)}")
     check(rank, "allgather (rank 0's part)", gathered[:count], total)
-    check(rank, "allgather (rank 1's part)", gathered[count:], Pattern(1), base=count)
+    check(rank, "allgather (rank 1's part)", gathered[count:], Pattern(1))
     print(f"[rank {rank}] allgather of {count + SMALL} int8 elements OK ({took:.1f} s)", flush=True)
 
     # Broadcast from rank 1 of a tensor over 2 GiB (rank 0's output starts as fresh pages).
@@ -111,8 +114,35 @@ def main() -> None:
     received = _core.broadcast(gathered, 1, "big.broadcast")
     took = time.monotonic() - start
     check(rank, "broadcast", received[:count], total)
-    check(rank, "broadcast (tail)", received[count:], Pattern(1), base=count)
+    check(rank, "broadcast (tail)", received[count:], Pattern(1))
     print(f"[rank {rank}] broadcast of {count + SMALL} int8 elements OK ({took:.1f} s)", flush=True)
+
+    # Alltoall: rank 0 sends all but its first SMALL rows (over 2 GiB) to rank 1.
+    del gathered
+    if rank == 0:
+        data, splits = received, [SMALL, count]
+    else:
+        del received
+        data, splits = np.empty(2 * SMALL, np.int8), [SMALL, SMALL]
+        fill(mine, data)
+    start = time.monotonic()
+    exchanged, received_splits = _core.alltoall(data, "big.alltoall", splits=splits)
+    took = time.monotonic() - start
+    del data
+    if rank == 0:
+        expected_splits = [SMALL, SMALL]
+        check(rank, "alltoall (from rank 0)", exchanged[:SMALL], total)
+        check(rank, "alltoall (from rank 1)", exchanged[SMALL:], Pattern(1))
+    else:
+        expected_splits = [count, SMALL]
+        check(rank, "alltoall (from rank 0)", exchanged[:count - SMALL], total, first=SMALL)
+        check(rank, "alltoall (rank 0's tail and rank 1's)", exchanged[count - SMALL:],
+              Pattern(1))
+    if received_splits.tolist() != expected_splits:
+        fail(rank, f"alltoall: received splits {received_splits.tolist()}, expected "
+                   f"{expected_splits}")
+    print(f"[rank {rank}] alltoall of {count + SMALL} int8 elements OK ({took:.1f} s)",
+          flush=True)
 
     _core.shutdown()
     print(f"[rank {rank}] peak memory {maxrss_gib():.2f} GiB", flush=True)
