@@ -65,6 +65,19 @@ def test_rank_leaving_early_fails_the_others_pending_ops_naming_it(controller):
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)
+def test_shutdown_from_a_done_callback_fails_the_others_and_init_starts_afresh(controller):
+    out = run_ranks(2, "tests/workers/core_shutdown_in_callback.py", launcher=LAUNCHER,
+                    timeout=120, controller=controller).stdout
+    assert ('[rank 0] after the callback\'s shutdown: got the expected error: perseus_legacy: '
+            'cannot run allreduce "cb.after": ') in out, out
+    pending = re.search(r"\[rank 1\] pending on the other rank: got the expected error: (.*)", out)
+    assert pending and "cb.pending" in pending.group(1), out
+    assert re.search(r"rank 0 (shut down|\(127\.0\.0\.1:\d+\) closed)", pending.group(1)), out
+    for rank in range(2):
+        assert f"[rank {rank}] shutdown in a done callback OK" in out, out
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
 def test_killed_rank_ends_the_job_nonzero_within_30_seconds(controller):
     result = run_ranks(2, "tests/workers/core_killed.py", launcher=LAUNCHER, timeout=60,
                        expect_failure=True, controller=controller)

@@ -342,6 +342,32 @@ py::dict StatsDict() {
   return stats;
 }
 
+// For tests only, not part of the API: an allreduce (Sum) whose done callback calls shutdown()
+// on the runtime's background thread, as a framework's completion callback may, before it
+// completes this call; returns the reduced array.
+py::array AllreduceThenShutdownInCallback(const py::object& value, const std::string& name) {
+  RequireInitialized("_allreduce_then_shutdown_in_callback");
+  py::array input = Contiguous(value);
+  py::array output(input.dtype(), ShapeOf(input));
+  CollectiveRequest request = AllreduceRequest(input, output, name, ReduceOp::kSum, 1.0, 1.0);
+  Status status;
+  bool interrupted = false;
+  {
+    py::gil_scoped_release release;
+    auto completion = std::make_shared<Completion>(1);
+    request.done = [completion](const Status& s) {
+      Shutdown();
+      completion->Set(0, s);
+    };
+    const Status admitted = Enqueue(std::move(request));
+    if (!admitted.ok()) completion->Set(0, admitted);  // refused: done never runs
+    status = completion->Wait(&interrupted);
+  }
+  if (interrupted) throw py::error_already_set();
+  if (!status.ok()) throw std::runtime_error(status.message());
+  return output;
+}
+
 }  // namespace
 }  // namespace perseus
 
@@ -523,6 +549,11 @@ PYBIND11_MODULE(_core, m) {
       py::arg("which"), py::arg("data"),
       "For tests of the wire format: `data` decoded as a RequestList (\"requests\") or a "
       "ResponseList (\"responses\") and encoded again, or None when it is malformed.");
+
+  m.def("_allreduce_then_shutdown_in_callback", &AllreduceThenShutdownInCallback,
+        py::arg("array"), py::arg("name"),
+        "For tests only: allreduce (Sum) of `array` whose done callback, on the runtime's "
+        "background thread, calls shutdown() before this call returns the result.");
 
   // Leaving the group at interpreter exit lets the other ranks fail fast instead of waiting.
   py::module_::import("atexit").attr("register")(

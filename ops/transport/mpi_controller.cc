@@ -74,9 +74,18 @@ size_t OpIndex(ReduceOp op) {
 }
 
 // Counts and displacements for the v-collectives: in bytes when they fit MPI's int, otherwise in
-// units of a contiguous datatype of `unit_bytes` (freed on destruction).
+// units of a contiguous datatype of `unit_bytes` (freed on destruction). Fits() says whether
+// either does; beyond it the controller exchanges the blocks itself (PairwiseExchange).
 class VectorLayout {
  public:
+  static bool Fits(const std::vector<int64_t>& counts, size_t unit_bytes) {
+    int64_t total_bytes = 0;
+    for (int64_t c : counts) total_bytes += c * static_cast<int64_t>(unit_bytes);
+    if (total_bytes <= INT_MAX) return true;
+    int64_t units = 0;  // the last count and displacement are at most the total
+    for (int64_t c : counts) units += c;
+    return unit_bytes <= INT_MAX && units <= INT_MAX;
+  }
   Status Build(const std::vector<int64_t>& counts, size_t unit_bytes) {
     int64_t total_bytes = 0;
     for (int64_t c : counts) total_bytes += c * static_cast<int64_t>(unit_bytes);
@@ -84,9 +93,6 @@ class VectorLayout {
     const int64_t scale = bytes_fit ? static_cast<int64_t>(unit_bytes) : 1;
     int64_t offset = 0;
     for (int64_t c : counts) {
-      if (offset > INT_MAX || c * scale > INT_MAX) {
-        return Status::Error("perseus_legacy: a tensor is too large for MPI's int counts");
-      }
       counts_.push_back(static_cast<int>(c * scale));
       displs_.push_back(static_cast<int>(offset));
       offset += c * scale;
@@ -113,6 +119,19 @@ class VectorLayout {
   MPI_Datatype type_ = MPI_BYTE;
   bool derived_ = false;
 };
+
+// {byte offset, bytes} of each rank's block of `counts` rows of `unit_bytes`, one after another.
+std::vector<std::pair<int64_t, int64_t>> Blocks(const std::vector<int64_t>& counts,
+                                                size_t unit_bytes) {
+  std::vector<std::pair<int64_t, int64_t>> spans;
+  int64_t offset = 0;
+  for (int64_t c : counts) {
+    const int64_t bytes = c * static_cast<int64_t>(unit_bytes);
+    spans.emplace_back(offset, bytes);
+    offset += bytes;
+  }
+  return spans;
+}
 
 // MPI_Init_thread has no bound of its own (Open MPI's waits until every rank's process has
 // reached it): while it runs, this watchdog ends the process once `secs` have passed, saying
@@ -725,6 +744,13 @@ Status MpiController::AllgatherSegments(void* data, int64_t count, DataType dtyp
 Status MpiController::Allgatherv(const void* in, void* out, const std::vector<int64_t>& counts,
                                  size_t unit_bytes) {
   if (!failed_.ok()) return failed_;
+  if (!VectorLayout::Fits(counts, unit_bytes)) {
+    // This rank's block goes to every rank: the same span for each.
+    const Span mine{0, counts[rank_] * static_cast<int64_t>(unit_bytes)};
+    const std::vector<Span> send(counts.size(), mine);
+    return PairwiseExchange(static_cast<const char*>(in), send, static_cast<char*>(out),
+                            Blocks(counts, unit_bytes), "allgather of 2 GiB or more");
+  }
   VectorLayout layout;
   Status s = layout.Build(counts, unit_bytes);
   if (!s.ok()) return s;
@@ -753,6 +779,20 @@ Status MpiController::Alltoallv(const void* in, const std::vector<int64_t>& send
                                 void* out, const std::vector<int64_t>& recv_counts,
                                 size_t unit_bytes) {
   if (!failed_.ok()) return failed_;
+  // Every rank must take the same path, and each knows only its own counts: they agree on it.
+  int fits = VectorLayout::Fits(send_counts, unit_bytes) &&
+             VectorLayout::Fits(recv_counts, unit_bytes);
+  Status agreed = StartAndWait(
+      [&](MPI_Request* r) {
+        return MPI_Iallreduce(MPI_IN_PLACE, &fits, 1, MPI_INT, MPI_LAND, data_, r);
+      },
+      "MPI_Iallreduce", WaitFor::kCollective);
+  if (!agreed.ok()) return agreed;
+  if (!fits) {
+    return PairwiseExchange(static_cast<const char*>(in), Blocks(send_counts, unit_bytes),
+                            static_cast<char*>(out), Blocks(recv_counts, unit_bytes),
+                            "alltoall of 2 GiB or more");
+  }
   VectorLayout send, recv;
   Status s = send.Build(send_counts, unit_bytes);
   if (s.ok()) s = recv.Build(recv_counts, unit_bytes);
@@ -762,6 +802,42 @@ Status MpiController::Alltoallv(const void* in, const std::vector<int64_t>& send
                            recv.displs(), recv.type(), data_, request.data()),
             "MPI_Ialltoallv");
   return s.ok() ? Wait(&request, {-1}, "MPI_Ialltoallv", WaitFor::kCollective) : s;
+}
+
+Status MpiController::PairwiseExchange(const char* in, const std::vector<Span>& send, char* out,
+                                       const std::vector<Span>& recv, const char* what) {
+  constexpr int64_t kMessageBytes = int64_t{1} << 30;
+  constexpr int kExchangeTag = 22;  // the ring's is 21, on this communicator too
+  const int n = size_, me = rank_;
+  if (send[me].second > 0 && out + recv[me].first != in + send[me].first) {
+    std::memcpy(out + recv[me].first, in + send[me].first, static_cast<size_t>(send[me].second));
+  }
+  for (int k = 1; k < n; ++k) {
+    const int to = (me + k) % n, from = (me + n - k) % n;
+    std::vector<MPI_Request> requests;
+    std::vector<int> peers;
+    Status s;
+    for (int64_t done = 0; s.ok() && done < recv[from].second; done += kMessageBytes) {
+      requests.emplace_back();
+      peers.push_back(WorldRank(from));
+      s = Check(MPI_Irecv(out + recv[from].first + done,
+                          static_cast<int>(std::min(kMessageBytes, recv[from].second - done)),
+                          MPI_BYTE, from, kExchangeTag, data_, &requests.back()),
+                "MPI_Irecv");
+    }
+    for (int64_t done = 0; s.ok() && done < send[to].second; done += kMessageBytes) {
+      requests.emplace_back();
+      peers.push_back(WorldRank(to));
+      s = Check(MPI_Isend(in + send[to].first + done,
+                          static_cast<int>(std::min(kMessageBytes, send[to].second - done)),
+                          MPI_BYTE, to, kExchangeTag, data_, &requests.back()),
+                "MPI_Isend");
+    }
+    if (s.ok()) s = Wait(&requests, peers, what, WaitFor::kCollective);
+    // A failed step leaves requests posted into buffers that will be gone: the end of the plane.
+    if (!s.ok()) return Failed(s);
+  }
+  return Status::OK();
 }
 
 Status MpiController::Barrier() {

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "transport/controller.h"
@@ -92,6 +93,13 @@ class MpiController : public Controller {
   enum class RingPart { kAllreduce, kReduceScatter, kAllgather };
   Status Ring(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
               RingPart part);
+  // A v-collective beyond MPI's int counts (a block or a displacement of 2 GiB or more, in
+  // bytes and in rows): step k sends `in` + send[(me + k) % n] to rank me + k and receives into
+  // `out` + recv[(me - k) % n] from rank me - k, in messages of at most 1 GiB. Each span is
+  // {byte offset, bytes}; step 0 copies this rank's own block.
+  using Span = std::pair<int64_t, int64_t>;
+  Status PairwiseExchange(const char* in, const std::vector<Span>& send, char* out,
+                          const std::vector<Span>& recv, const char* what);
   // The rank of the whole job that is rank `r` of this controller's communicator.
   int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[r]; }
   // What a wait is for: it sets how eagerly the wait polls (MPI moves data only inside MPI calls,

@@ -7,6 +7,8 @@
 // all, so every rank ends with the same bits. Waits are the controller's bounded ones.
 #include <algorithm>
 #include <cstring>
+#include <new>
+#include <string>
 
 #include "common/reduce.h"
 #include "transport/mpi_controller.h"
@@ -24,6 +26,8 @@ constexpr int kRingTag = 21;  // the control plane's tags are 17-20, on another 
 // Within a host (shared memory) larger chunks cost fewer waits.
 constexpr int64_t kCrossHostChunkBytes = int64_t{63} << 10;
 constexpr int64_t kOneHostChunkBytes = int64_t{256} << 10;
+// The largest reduce-scatter scratch kept between allreduces.
+constexpr size_t kKeptScratchBytes = size_t{64} << 20;
 
 Status CheckRing(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
@@ -55,7 +59,18 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   const std::vector<int> peers{WorldRank(prev), WorldRank(next)};
   // The same on every rank of the ring: the sizes of the chunks sent and received must agree.
   const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;
-  ring_scratch_.resize(static_cast<size_t>((count / n + 1) * item));
+  if (part != RingPart::kAllgather) {
+    const size_t scratch = static_cast<size_t>((count / n + 1) * item);
+    try {
+      ring_scratch_.resize(scratch);
+    } catch (const std::bad_alloc&) {
+      // Nothing is posted yet: the error names the size instead of a bad_alloc on the thread.
+      return Failed(Status::Error("perseus_legacy: rank " + std::to_string(WorldRank(me)) +
+                                  " cannot allocate " + std::to_string(scratch) +
+                                  " bytes for the ring allreduce of " + std::to_string(count) +
+                                  " " + DataTypeName(dtype) + " elements"));
+    }
+  }
 
   // Steps [begin, end) of 2(n - 1): step j sends segment sent(j) to the next rank and receives
   // segment received(j) from the previous one. The first n - 1 (reduce-scatter) receive into
@@ -135,6 +150,9 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
     if (s.ok()) s = wait_one(&request, peers[1]);
   }
   if (!s.ok() && failed_.ok()) failed_ = s;
+  // A segment of a large tensor is not held until the next allreduce (a tensor of 2 GiB on two
+  // ranks: 1 GiB). After a failure receives may still be posted into it: kept.
+  if (s.ok() && ring_scratch_.size() > kKeptScratchBytes) std::vector<char>().swap(ring_scratch_);
   return s;
 }
 

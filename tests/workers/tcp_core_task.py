@@ -14,7 +14,7 @@ import os
 import sys
 
 import numpy as np
-from worker_util import assert_close, load_core, rank_data
+from worker_util import assert_close, init_core, load_core, rank_data
 
 
 def main() -> None:
@@ -22,8 +22,7 @@ def main() -> None:
     rank = int(os.environ["PERSEUS_TCP_RANK"])
     addresses = os.environ["PERSEUS_TCP_ADDRESSES"].split(",")
     try:
-        core.init_tcp(rank, addresses, rank, len(addresses), 0, 1, os.environ["PERSEUS_SECRET"],
-                      float(os.environ["PERSEUS_START_TIMEOUT"]))
+        init_core(core)
     except RuntimeError as exc:
         print(f"[rank {rank}] INIT FAILED: {exc}", flush=True)
         sys.exit(3)

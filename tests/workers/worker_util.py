@@ -110,3 +110,17 @@ def load_core():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def init_core(core) -> int:
+    """init() of `core` (load_core()) as perseus_legacy.init() would under perseusrun: over TCP
+    from the PERSEUS_TCP_* variables `perseusrun --tcp` sets, else over MPI; returns the rank."""
+    timeout = float(os.environ.get("PERSEUS_START_TIMEOUT", "120"))
+    if "PERSEUS_TCP_RANK" not in os.environ:
+        core.init(0, timeout)
+        return core.rank()
+    rank = int(os.environ["PERSEUS_TCP_RANK"])
+    addresses = os.environ["PERSEUS_TCP_ADDRESSES"].split(",")
+    core.init_tcp(rank, addresses, rank, len(addresses), 0, 1, os.environ["PERSEUS_SECRET"],
+                  timeout)
+    return rank
