@@ -41,41 +41,40 @@ def _threads(tf):
 
 def _step_stats_hook(tf, args: argparse.Namespace, who: str, reporter: bool):
     """A SessionRunHook timing this process's steps after `args.warmup` of its own, reading
-    global_step with each step's own fetches; writes the stats file (and RESULT, on the chief)
-    at the end.
+    global_step at both ends; writes the stats file (and RESULT, on the chief) at the end.
 
-    global_step travels with the training step's fetches rather than in a session.run of its
-    own: the first run of a new set of fetches builds an executor for it, up to a second of CPU
-    on a loaded host, and the ranks do not finish that together, so a chief that timed from
-    its own such run would count the slowest rank's build as training time (on 8 emulated
+    global_step is read once already after the first warm-up step: the first session.run of
+    a new set of fetches builds an executor for it, up to a second of CPU on a loaded host,
+    and the ranks do not finish that together, so a chief that started its clock after its
+    own first such run would count the slowest rank's build as training time (on 8 emulated
     hosts sharing 2 cores, one step in ten took twice its time)."""
 
     class StepStats(tf.compat.v1.train.SessionRunHook):
         def begin(self) -> None:
             self.global_step = tf.compat.v1.train.get_global_step()
             self.local_steps = 0
-            self.first = None  # (seconds, cpu seconds, global step, local steps)
-            self.last = None
-
-        def before_run(self, run_context):
-            return tf.compat.v1.train.SessionRunArgs(self.global_step)
+            self.first = None  # (seconds, cpu seconds, global step)
 
         def after_run(self, run_context, run_values) -> None:
             self.local_steps += 1
-            now = (time.perf_counter(), time.process_time(), int(run_values.results),
-                   self.local_steps)
             if self.local_steps == args.warmup:
-                self.first = now
-            self.last = now
+                self.first = self._now(run_context.session)
+                self.first_step = self.local_steps
+            elif self.local_steps == 1:
+                self._now(run_context.session)  # builds the fetch's executor (docstring)
 
         def end(self, session) -> None:
             if self.first is None:
                 raise RuntimeError(f"{who}: training ended after {self.local_steps} steps, "
                                    f"before the warm-up's {args.warmup}: nothing was timed")
-            first, last = self.first, self.last
-            write_stats(args, who, reporter, seconds=last[0] - first[0],
-                        cpu_s=last[1] - first[1], global_steps=last[2] - first[2],
-                        local_steps=last[3] - first[3])
+            last = self._now(session)
+            write_stats(args, who, reporter, seconds=last[0] - self.first[0],
+                        cpu_s=last[1] - self.first[1], global_steps=last[2] - self.first[2],
+                        local_steps=self.local_steps - self.first_step)
+
+        def _now(self, session) -> tuple:
+            step = int(session.run(self.global_step))
+            return time.perf_counter(), time.process_time(), step
 
     return StepStats()
 
