@@ -41,7 +41,13 @@ def _threads(tf):
 
 def _step_stats_hook(tf, args: argparse.Namespace, who: str, reporter: bool):
     """A SessionRunHook timing this process's steps after `args.warmup` of its own, reading
-    global_step at both ends; writes the stats file (and RESULT, on the chief) at the end."""
+    global_step at both ends; writes the stats file (and RESULT, on the chief) at the end.
+
+    global_step is read once already after the first warm-up step: the first session.run of
+    a new set of fetches builds an executor for it, up to a second of CPU on a loaded host,
+    and the ranks do not finish that together, so a chief that started its clock after its
+    own first such run would count the slowest rank's build as training time (on 8 emulated
+    hosts sharing 2 cores, one step in ten took twice its time)."""
 
     class StepStats(tf.compat.v1.train.SessionRunHook):
         def begin(self) -> None:
@@ -54,6 +60,8 @@ def _step_stats_hook(tf, args: argparse.Namespace, who: str, reporter: bool):
             if self.local_steps == args.warmup:
                 self.first = self._now(run_context.session)
                 self.first_step = self.local_steps
+            elif self.local_steps == 1:
+                self._now(run_context.session)  # builds the fetch's executor (docstring)
 
         def end(self, session) -> None:
             if self.first is None:
