@@ -19,10 +19,10 @@ What counts as an optimizer update:
   op's own `grad`/`updates` and `indices` inputs are gathered (scatter add/sub are linear in
   their updates, so gathering the scaled updates equals gathering the gradient).
 
-Every update op of a step waits for every collective of that step (a control input on each): a
-variable is updated only once every gradient of the step is reduced. When a rank is lost in the
-middle of a step, some collectives fail and others may have completed; no variable is then
-updated, and each survivor holds the variables of the last completed step (what
+Every update op of a step waits for every collective of that step (through one barrier op per
+step): a variable is updated only once every gradient of the step is reduced. When a rank is
+lost in the middle of a step, some collectives fail and others may have completed; no variable
+is then updated, and each survivor holds the variables of the last completed step (what
 perseus_legacy.tf1.survivor saves). The update ops of one step are those under one optimizer
 apply's name scope (the part of their name before `update...`).
 
