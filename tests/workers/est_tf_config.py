@@ -24,12 +24,11 @@ import perseus_legacy as pl
 import json
 import os
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.training import server_lib
-from worker_util import files_under
+from worker_util import files_under, wait_until
 
 SEED = 11
 STEPS = 6
@@ -91,12 +90,9 @@ def config_kwargs(model_dir: str) -> dict:
 
 
 def wait_for(what: str, done) -> None:
-    """Polls `done()` until it holds; exits with an error after HANDSHAKE_SECS."""
-    deadline = time.monotonic() + HANDSHAKE_SECS
-    while not done():
-        if time.monotonic() > deadline:
-            sys.exit(f"the handshake failed: {what} within {HANDSHAKE_SECS} s")
-        time.sleep(0.05)
+    """Returns once `done()` holds; exits with an error after HANDSHAKE_SECS."""
+    if not wait_until(done, HANDSHAKE_SECS):
+        sys.exit(f"the handshake failed: {what} within {HANDSHAKE_SECS} s")
 
 
 class ChiefWaitsForTheChoice(tf.compat.v1.train.SessionRunHook):

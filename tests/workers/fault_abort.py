@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from worker_util import wait_until
 
 from perseus_legacy import _core
 from perseus_legacy.common import basics
@@ -45,10 +46,8 @@ def launcher_rank() -> int:
 
 
 def await_files(paths: list[Path]) -> None:
-    """Polls until every file in `paths` exists, for at most REPORT_WAIT_SECS."""
-    deadline = time.monotonic() + REPORT_WAIT_SECS
-    while not all(path.exists() for path in paths) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    """Returns once every file in `paths` exists, or after REPORT_WAIT_SECS."""
+    wait_until(lambda: all(path.exists() for path in paths), REPORT_WAIT_SECS)
 
 
 def leave(out_dir: Path, rank: int, size: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Callable
 
 import numpy as np
@@ -57,6 +58,17 @@ def expect_error(rank: int, what: str, call: Callable, error: type, *fragments: 
         return text
     fail(rank, f"{what}: no {error.__name__} raised")
     return ""
+
+
+def wait_until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Polls `condition` (a file another process writes, ...) until it holds or `seconds` have
+    passed; whether it held."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def barrier(name: str) -> None:
