@@ -74,6 +74,7 @@ def watch(session: tf.compat.v1.Session) -> None:
     setattr(session, _WATCHED, True)
     run = session.run
     reported = []
+    own_errors = []  # the last error of this rank's own that a step of this session raised
 
     def watched_run(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -83,16 +84,19 @@ def watch(session: tf.compat.v1.Session) -> None:
             if lost is not None and not reported:
                 reported.append(lost)
                 _report(session, run, lost)
+            elif lost is None and not isinstance(error, _RECOVERED):
+                own_errors[:] = [error]
             raise
 
     close = session.close
 
     def watched_close() -> None:
         # MonitoredSession closes this session in its __exit__, where the error that ends
-        # training is the one being handled.
-        error = sys.exc_info()[1]
-        if error is not None and not isinstance(error, _RECOVERED) and lost_rank(error) is None:
-            failure.report(error)
+        # training is the one being handled. Only a step's own error counts: the exception
+        # being handled may also be one the program caught further up, unrelated to training.
+        if own_errors and sys.exc_info()[1] is own_errors[0]:
+            failure.report(own_errors[0])
+        own_errors.clear()
         close()
 
     # The instance's own attributes: MonitoredSession's wrappers call session.run and close,
