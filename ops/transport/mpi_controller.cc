@@ -817,22 +817,21 @@ Status MpiController::PairwiseExchange(const char* in, const std::vector<Span>& 
     std::vector<MPI_Request> requests;
     std::vector<int> peers;
     Status s;
-    for (int64_t done = 0; s.ok() && done < recv[from].second; done += kMessageBytes) {
-      requests.emplace_back();
-      peers.push_back(WorldRank(from));
-      s = Check(MPI_Irecv(out + recv[from].first + done,
-                          static_cast<int>(std::min(kMessageBytes, recv[from].second - done)),
-                          MPI_BYTE, from, kExchangeTag, data_, &requests.back()),
-                "MPI_Irecv");
-    }
-    for (int64_t done = 0; s.ok() && done < send[to].second; done += kMessageBytes) {
-      requests.emplace_back();
-      peers.push_back(WorldRank(to));
-      s = Check(MPI_Isend(in + send[to].first + done,
-                          static_cast<int>(std::min(kMessageBytes, send[to].second - done)),
-                          MPI_BYTE, to, kExchangeTag, data_, &requests.back()),
-                "MPI_Isend");
-    }
+    // Posts `span` of `base`, to or from `peer`, in messages of at most kMessageBytes.
+    auto post = [&](bool sending, char* base, const Span& span, int peer) {
+      for (int64_t done = 0; s.ok() && done < span.second; done += kMessageBytes) {
+        requests.emplace_back();
+        peers.push_back(WorldRank(peer));
+        char* at = base + span.first + done;
+        const int bytes = static_cast<int>(std::min(kMessageBytes, span.second - done));
+        s = sending ? Check(MPI_Isend(at, bytes, MPI_BYTE, peer, kExchangeTag, data_,
+                                      &requests.back()), "MPI_Isend")
+                    : Check(MPI_Irecv(at, bytes, MPI_BYTE, peer, kExchangeTag, data_,
+                                      &requests.back()), "MPI_Irecv");
+      }
+    };
+    post(false, out, recv[from], from);
+    post(true, const_cast<char*>(in), send[to], to);  // MPI_Isend only reads it
     if (s.ok()) s = Wait(&requests, peers, what, WaitFor::kCollective);
     // A failed step leaves requests posted into buffers that will be gone: the end of the plane.
     if (!s.ok()) return Failed(s);
