@@ -20,9 +20,11 @@ the share of the machine's cores they kept busy (the rest is idle: a benchmark w
 grows with the hosts would measure the machine, not the system).
 
 Systems (rows): run_config_mpi, run_config_tcp, sync_hook_mpi, dist_opt_mpi (this product,
-TF 2.21), horovod_mpi, horovod_gloo (Horovod 0.28.1 on TF 2.15.1, `make peers`), ps_async,
-ps_sync (tf.estimator parameter servers on TF 2.15.1), mwms (MultiWorkerMirroredStrategy,
-TF 2.21). A system whose environment is missing is skipped with a message.
+TF 2.15.1 by default, --product-tf), alone (every rank trains by itself with a plain RunConfig,
+no collectives: the efficiency this machine allows that many ranks sharing its cores),
+horovod_mpi, horovod_gloo (Horovod 0.28.1 on TF 2.15.1, `make peers`), ps_async, ps_sync
+(tf.estimator parameter servers on TF 2.15.1), mwms (MultiWorkerMirroredStrategy, TF 2.21).
+A system whose environment is missing is skipped with a message.
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ SYSTEMS = {
                              "product"),
     "run_config_tcp": System("Estimator + hvd.run_config(), TCP", "run_config", "perseusrun",
                              "product", tcp=True),
+    "alone": System("each rank alone: plain RunConfig, no collectives (the machine's ceiling)",
+                    "alone", "perseusrun", "product", tcp=True),
     "sync_hook_mpi": System("MonitoredTrainingSession + hvd.SyncReplicasHook, MPI",
                             "sync_hook", "perseusrun", "product"),
     "dist_opt_mpi": System("hvd.DistributedOptimizer (tf.compat.v1), MPI", "dist_opt",
@@ -162,8 +166,14 @@ def launch(name: str, model: str, hosts: int, slots: int, args: argparse.Namespa
         stats = [json.loads(p.read_text()) for p in sorted(stats_dir.glob("*.json"))]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    counted = [s for s in stats if s.get("runtime")]  # this product's runtime counters
+
+    def mean(key: str) -> float | None:
+        return sum(s["runtime"][key] for s in counted) / len(counted) if counted else None
+
     return {**result, "trainers": len(stats), "cpu_s": sum(s["cpu_s"] for s in stats),
-            "local_steps": max((s["local_steps"] for s in stats), default=0)}
+            "local_steps": max((s["local_steps"] for s in stats), default=0),
+            "rounds": mean("rounds"), "collectives": mean("collectives")}
 
 
 def _run_hosts(hosts: int, slots: int, env_for, python: str, program: list,
@@ -277,6 +287,10 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "link_ms": bounds["comm_ms"],
             "cpu_ms_per_step": 1e3 * result["cpu_s"] / per_step if per_step else None,
             "cpu_busy": result["cpu_s"] / (result["seconds"] * (os.cpu_count() or 1)),
+            "rounds_per_step": result["rounds"] / per_step
+            if per_step and result.get("rounds") is not None else None,
+            "collectives_per_step": result["collectives"] / per_step
+            if per_step and result.get("collectives") is not None else None,
             "trainers": result["trainers"], "link_rate": args.link_rate,
             "byte_scale": args.byte_scale, "steps": args.steps}
 
@@ -353,7 +367,8 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
                                 and r["ranks_per_host"] == slots)
                 if points:
                     label = system if slots == 1 else f"{system}, 2 ranks/host"
-                    axis.plot(*zip(*points), style, label=label)
+                    color = {"color": "gray"} if system == "alone" else {}
+                    axis.plot(*zip(*points), style, label=label, **color)
         bound = sorted({(r["hosts"], r["comm_bound_examples_per_s"]
                          / r["compute_bound_examples_per_s"]) for r in rows
                         if r["model"] == model and r["ranks_per_host"] == 1})
@@ -530,8 +545,11 @@ def measure(name: str, model: str, hosts: int, slots: int, args: argparse.Namesp
         print(f"{model} {name} {layout}: failed: {exc}", file=sys.stderr, flush=True)
         return {"model": model, "system": name, "layout": layout, "failed": "failed"}
     row = make_row(name, model, hosts, slots, result, args)
+    rounds = "" if row["rounds_per_step"] is None else \
+        f", {row['rounds_per_step']:.0f} rounds and {row['collectives_per_step']:.0f} " \
+        "allreduces a step"
     print(f"{model} {name} {layout}: {row['examples_per_s']:.0f} examples/s, "
-          f"{row['step_ms']:.0f} ms/step, CPU {percent(row['cpu_busy'])} of the cores "
+          f"{row['step_ms']:.0f} ms/step, CPU {percent(row['cpu_busy'])} of the cores{rounds} "
           f"(launch {time.monotonic() - started:.0f} s)", file=sys.stderr, flush=True)
     return row
 

@@ -6,6 +6,8 @@ system, times it after the warm-up and reports.
 SYSTEM is what each row of the benchmark runs, each written as its users write it:
 - run_config: a tf.estimator.Estimator with `config=hvd.run_config()` (MPI or TCP: the launch
   decides);
+- alone: the same Estimator with a plain RunConfig and a model_dir of its own on every rank, no
+  collectives (the ranks only start their timed steps together): what the machine allows;
 - sync_hook: tf.compat.v1.train.MonitoredTrainingSession with `hvd.SyncReplicasHook()`;
 - dist_opt: `hvd.DistributedOptimizer` and `hvd.BroadcastGlobalVariablesHook(0)` in a
   MonitoredTrainingSession;
@@ -16,7 +18,8 @@ SYSTEM is what each row of the benchmark runs, each written as its users write i
 - mwms: tf.distribute.MultiWorkerMirroredStrategy (TF_CONFIG, RING) in a tf.function loop.
 
 Every trainer writes `<stats-dir>/<who>.json`: its steps, wall seconds and CPU seconds (user +
-system, this process) over the timed steps. The chief (rank 0) also prints
+system, this process) over the timed steps, and this product's rounds and allreduces in them
+(runtime_stats()) when it runs it. The chief (rank 0) also prints
 `RESULT {"seconds": ..., "global_steps": ...}` (cluster_training's format) when it ends.
 """
 
@@ -31,7 +34,7 @@ from pathlib import Path
 
 LEARNING_RATE = 1e-6  # the gradients are constants: the weights barely move
 RESULT = "RESULT "
-SYSTEMS = ("run_config", "sync_hook", "dist_opt", "horovod", "ps_async", "ps_sync", "mwms")
+SYSTEMS = ("run_config", "alone", "sync_hook", "dist_opt", "horovod", "ps_async", "ps_sync", "mwms")
 
 
 def _threads(tf):
@@ -58,6 +61,8 @@ def _step_stats_hook(tf, args: argparse.Namespace, who: str, reporter: bool):
         def after_run(self, run_context, run_values) -> None:
             self.local_steps += 1
             if self.local_steps == args.warmup:
+                if args.system == "alone":
+                    _start_together()
                 self.first = self._now(run_context.session)
                 self.first_step = self.local_steps
             elif self.local_steps == 1:
@@ -70,13 +75,34 @@ def _step_stats_hook(tf, args: argparse.Namespace, who: str, reporter: bool):
             last = self._now(session)
             write_stats(args, who, reporter, seconds=last[0] - self.first[0],
                         cpu_s=last[1] - self.first[1], global_steps=last[2] - self.first[2],
-                        local_steps=self.local_steps - self.first_step)
+                        local_steps=self.local_steps - self.first_step,
+                        runtime={k: v - self.first[3].get(k, 0) for k, v in last[3].items()})
 
         def _now(self, session) -> tuple:
             step = int(session.run(self.global_step))
-            return time.perf_counter(), time.process_time(), step
+            return time.perf_counter(), time.process_time(), step, _runtime_counters()
 
     return StepStats()
+
+
+def _start_together() -> None:
+    """Waits for every rank of the job (an allreduce of one number): ranks that train alone
+    start their timed steps together, so each is timed while all the others train."""
+    import numpy as np
+
+    from perseus_legacy.common.native import core
+
+    core().allreduce(np.zeros(1, np.float32), "alone.start_together")
+
+
+def _runtime_counters() -> dict:
+    """This product's runtime counters (runtime_stats()), when this process runs it."""
+    hvd = sys.modules.get("perseus_legacy")
+    if hvd is None or not hvd.is_initialized():
+        return {}
+    stats = hvd.runtime_stats()
+    return {"rounds": stats["cache_rounds"] + stats["coordinator_rounds"],
+            "collectives": stats["collectives_executed"]["allreduce"]}
 
 
 def write_stats(args: argparse.Namespace, who: str, reporter: bool, **stats) -> None:
@@ -104,7 +130,7 @@ def _total_steps(args: argparse.Namespace) -> int:
 def run_estimator(args: argparse.Namespace) -> None:
     """run_config (perseus) or ps_async / ps_sync (TF_CONFIG) Estimators."""
     hvd = None
-    if args.system == "run_config":
+    if args.system in ("run_config", "alone"):
         import perseus_legacy as hvd  # first: on TF >= 2.16 it brings tf.estimator back
     import tensorflow as tf
 
@@ -113,7 +139,13 @@ def run_estimator(args: argparse.Namespace) -> None:
               "save_checkpoints_secs": None, "save_summary_steps": 0,
               "log_step_count_steps": None}
     replicas = args.replicas
-    if hvd is not None:
+    if args.system == "alone":
+        hvd.init()  # for the rank and the start together only
+        kwargs["model_dir"] = os.path.join(args.model_dir, f"rank{hvd.rank()}")
+        config = tf.estimator.RunConfig(session_config=_threads(tf), **kwargs)
+        who, chief = f"rank{hvd.rank()}", hvd.rank() == 0
+        replicas = 1  # its global step counts its own steps
+    elif hvd is not None:
         config = hvd.run_config(session_config=_threads(tf), **kwargs)
         who, chief = f"rank{hvd.rank()}", hvd.rank() == 0
     else:
@@ -246,7 +278,7 @@ def main() -> None:
     parser.add_argument("--model-dir")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if args.system in ("run_config", "ps_async", "ps_sync"):
+    if args.system in ("run_config", "alone", "ps_async", "ps_sync"):
         run_estimator(args)
     elif args.system == "mwms":
         run_mwms(args)

@@ -78,7 +78,7 @@ def test_gradients_have_every_tensors_scaled_size():
 def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
     out_json = tmp_path / "rows.jsonl"
     cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--models", "tiny", "--hosts", "2",
-           "--systems", "run_config_tcp,sync_hook_mpi", "--steps", "3", "--warmup", "2",
+           "--systems", "run_config_tcp,sync_hook_mpi,alone", "--steps", "3", "--warmup", "2",
            "--step-scale", "0.5", "--timeout", "120", "--product-tf", "2.21",
            "--json", str(out_json),
            "--chart", "none"]
@@ -93,11 +93,16 @@ def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
     assert proc.returncode == 0, f"{failure_summary(out)}\n{out}"
     rows = [json.loads(line) for line in out_json.read_text().splitlines()]
     assert {(r["system"], r["hosts"]) for r in rows} == {
-        (s, h) for s in ("run_config_tcp", "sync_hook_mpi") for h in (1, 2)}
+        (s, h) for s in ("run_config_tcp", "sync_hook_mpi", "alone") for h in (1, 2)}
     for row in rows:
         for field in ("model", "system", "hosts", "ranks_per_host", "examples_per_s",
                       "efficiency", "compute_bound_examples_per_s",
                       "comm_bound_examples_per_s", "cpu_ms_per_step", "cpu_busy"):
             assert row[field] is not None, (field, row)
         assert row["examples_per_s"] > 0 and row["trainers"] == row["hosts"]
+        if row["hosts"] == 2:  # the runtime's counters: rounds and allreduces over the steps
+            if row["system"] == "alone":
+                assert row["collectives_per_step"] == 0, row
+            else:
+                assert row["rounds_per_step"] >= 1 and row["collectives_per_step"] >= 1, row
     assert "| run_config_tcp | 2x1 |" in out and "| sync_hook_mpi | 2x1 |" in out

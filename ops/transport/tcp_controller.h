@@ -18,9 +18,10 @@
 // number, so an altered, injected, replayed or reordered frame fails the job naming the peer.
 // Data plane (tcp_ring.cc): raw bytes between pairs, moved by one nonblocking engine: ring
 // allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap), ring allgatherv, pipelined chain broadcast, pairwise alltoallv. A closed socket, an
-// abort notice or a peer silent for kPeerSilenceSecs (or PERSEUS_STALL_SHUTDOWN_SECS when that is
-// shorter: SetWaitLimits) fails the operation on every rank with an error naming the peer.
+// overlap; recursive doubling for small ones), ring allgatherv, pipelined chain broadcast,
+// pairwise alltoallv. A closed socket, an abort notice or a peer silent for kPeerSilenceSecs (or
+// PERSEUS_STALL_SHUTDOWN_SECS when that is shorter: SetWaitLimits) fails the operation on every
+// rank with an error naming the peer.
 #pragma once
 
 #include <sys/socket.h>
@@ -93,6 +94,9 @@ class TcpController : public Controller {
   // The collectives over `group`; counts, splits and the root are by position in the group.
   Status GroupAllreduce(const Group& group, const void* in, void* out, int64_t count,
                         DataType dtype, ReduceOp op);
+  // Recursive doubling over a power-of-two group (GroupAllreduce's choice for small buffers).
+  Status GroupDoubling(const Group& group, const void* in, void* out, int64_t count,
+                       DataType dtype, ReduceOp op);
   // The ring allreduce's reduce-scatter, its allgather, or both (GroupAllreduce), with the
   // segments of Controller::ReduceScatter / AllgatherSegments.
   Status GroupRing(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
@@ -181,6 +185,7 @@ class TcpController : public Controller {
   socklen_t own_address_length_ = 0;
   std::vector<Peer> peers_;
   std::vector<char> scratch_;  // one received chunk, before it is reduced
+  std::vector<char> exchange_;  // what recursive doubling sends while `out` receives
   Status failed_;              // the first failure; every later call returns it
   double silence_secs_ = kPeerSilenceSecs;  // how long a silent peer is waited for
   uint64_t control_received_ = 0;  // control bytes received so far (progress of a wait)
