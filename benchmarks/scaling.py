@@ -359,6 +359,10 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
     if not models:
         return
     figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    # One color per system in every panel (its 2-ranks-a-host point too); gray is the ceiling's.
+    palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # 7: gray
+    colors = {system: "gray" if system == "alone" else palette[index % len(palette)]
+              for index, system in enumerate(dict.fromkeys(r["system"] for r in rows))}
     for axis, model in zip(axes[0], models):
         for system in dict.fromkeys(r["system"] for r in rows if r["model"] == model):
             for slots, style in ((1, "-o"), (2, "s")):
@@ -367,8 +371,7 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
                                 and r["ranks_per_host"] == slots)
                 if points:
                     label = system if slots == 1 else f"{system}, 2 ranks/host"
-                    color = {"color": "gray"} if system == "alone" else {}
-                    axis.plot(*zip(*points), style, label=label, **color)
+                    axis.plot(*zip(*points), style, label=label, color=colors[system])
         bound = sorted({(r["hosts"], r["comm_bound_examples_per_s"]
                          / r["compute_bound_examples_per_s"]) for r in rows
                         if r["model"] == model and r["ranks_per_host"] == 1})

@@ -34,7 +34,8 @@ from pathlib import Path
 
 LEARNING_RATE = 1e-6  # the gradients are constants: the weights barely move
 RESULT = "RESULT "
-SYSTEMS = ("run_config", "alone", "sync_hook", "dist_opt", "horovod", "ps_async", "ps_sync", "mwms")
+SYSTEMS = ("run_config", "alone", "sync_hook", "dist_opt", "horovod", "ps_async", "ps_sync",
+           "mwms")
 
 
 def _threads(tf):

@@ -1,8 +1,9 @@
 // The TCP transport's data plane: one nonblocking engine (Stream) and the collectives built on
 // it: ring allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap) and each of its halves, recursive doubling for small allreduces, ring allgatherv, pipelined chain broadcast, pairwise
-// alltoallv. Each runs over a Group of ranks: every rank, a process set's members, or a part of
-// the hierarchical allreduce, over their connections of the mesh.
+// overlap) and each of its halves, recursive doubling for small allreduces, ring allgatherv,
+// pipelined chain broadcast, pairwise alltoallv. Each runs over a Group of ranks: every rank, a
+// process set's members, or a part of the hierarchical allreduce, over their connections of the
+// mesh.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -20,7 +21,8 @@ constexpr size_t kReduceChunkBytes = 256 << 10;
 // Allreduces up to this size over a power-of-two group run by recursive doubling: log2(n)
 // exchanges of the whole buffer instead of the ring's 2(n - 1) steps. For a small buffer the
 // steps' latency is the cost (each a wake-up on both sides and a trip across the link), not
-// its bytes: on 8 hosts the ring takes 14 steps, doubling 3, for at most 1.7x the ring's bytes.
+// its bytes: on 8 ranks the ring takes 14 steps, doubling 3, which carry 1.7x the ring's bytes
+// (log2(n) against 2(n - 1)/n times the buffer).
 constexpr size_t kDoublingMaxBytes = 64 << 10;
 
 bool PowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
