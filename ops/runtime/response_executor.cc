@@ -40,21 +40,6 @@ std::string CollectiveArgs(int64_t bytes, int64_t id, size_t tensors,
          (algorithm ? std::string(",\"algorithm\":\"") + algorithm + "\"" : std::string());
 }
 
-// Reduce-scatter among this host's ranks, an allreduce of this rank's segment with the same
-// segment of every other host (local_size rings at once, each on 1 / local_size of the data),
-// then an allgather among this host's ranks: each host link carries 2 (H - 1) / H of the tensor
-// for H hosts, where a flat ring over every rank carries 2 (N - 1) / N.
-Status HierarchicalAllreduce(Controller& local, Controller& cross, const void* in, void* out,
-                             int64_t count, DataType dtype, ReduceOp op) {
-  Status s = local.ReduceScatter(in, out, count, dtype, op);
-  const int64_t first = SegmentStart(count, local.size(), local.rank());
-  const int64_t mine = SegmentStart(count, local.size(), local.rank() + 1) - first;
-  char* segment = static_cast<char*>(out) + first * static_cast<int64_t>(DataTypeSize(dtype));
-  if (s.ok() && mine > 0) s = cross.Allreduce(segment, segment, mine, dtype, op);
-  if (s.ok()) s = local.AllgatherSegments(out, count, dtype);
-  return s;
-}
-
 int64_t NowIf(bool timed) { return timed ? Timeline::NowMicros() : 0; }
 
 }  // namespace
@@ -223,9 +208,12 @@ Status ResponseExecutor::Transport(const void* in, void* out, int64_t count, Dat
   // Every rank decides alike: the layout and the setting are the same everywhere (the runtime
   // checks the setting at init).
   if (local && cross && hierarchical_ != Hierarchical::kNever) {
-    *how = "hierarchical";
     RuntimeStats::Add(stats_.hierarchical_allreduces, 1);
-    return HierarchicalAllreduce(*local, *cross, in, out, count, dtype, op);
+    Status s = controller_.HierarchicalAllreduce(in, out, count, dtype, op, how);
+    if (std::strcmp(*how, Controller::kHierarchicalPipelined) == 0) {
+      RuntimeStats::Add(stats_.pipelined_hierarchical_allreduces, 1);
+    }
+    return s;
   }
   *how = "flat";
   return controller_.Allreduce(in, out, count, dtype, op);

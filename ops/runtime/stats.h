@@ -41,6 +41,8 @@ class RuntimeStats {
   std::atomic<int64_t> stall_warnings{0};       // warnings rank 0 logged about stalled tensors
   // allreduce collectives that ran hierarchically (response_executor.h); the others ran flat
   std::atomic<int64_t> hierarchical_allreduces{0};
+  // those of them whose phases overlapped on slices of the tensor (kHierarchicalPipelined)
+  std::atomic<int64_t> pipelined_hierarchical_allreduces{0};
   // collectives a one-rank job completed on the submitting thread, with no round (runtime.cc)
   std::atomic<int64_t> single_rank_shortcuts{0};
 

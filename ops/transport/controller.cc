@@ -1,4 +1,5 @@
-// The default AllreduceBitsAnd of a transport: through the coordinator, over the control plane.
+// What a transport inherits unless it does better: AllreduceBitsAnd through the coordinator,
+// over the control plane, and the hierarchical allreduce's three phases one after another.
 #include "transport/controller.h"
 
 #include <cstring>
@@ -34,6 +35,19 @@ Status Controller::AllreduceBitsAnd(std::vector<uint64_t>* bits) {
   }
   std::memcpy(bits->data(), mine.data(), mine.size());
   return Status::OK();
+}
+
+Status Controller::HierarchicalAllreduce(const void* in, void* out, int64_t count,
+                                         DataType dtype, ReduceOp op, const char** how) {
+  *how = kHierarchical;
+  Controller& host = *local();
+  Status s = host.ReduceScatter(in, out, count, dtype, op);
+  const int64_t first = SegmentStart(count, host.size(), host.rank());
+  const int64_t mine = SegmentStart(count, host.size(), host.rank() + 1) - first;
+  char* segment = static_cast<char*>(out) + first * static_cast<int64_t>(DataTypeSize(dtype));
+  if (s.ok() && mine > 0) s = cross()->Allreduce(segment, segment, mine, dtype, op);
+  if (s.ok()) s = host.AllgatherSegments(out, count, dtype);
+  return s;
 }
 
 }  // namespace perseus

@@ -63,7 +63,7 @@ class Controller {
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
   // The two halves of a ring Allreduce, for algorithms built of them (the hierarchical
-  // allreduce, response_executor.cc), over `count` elements split into size() segments
+  // allreduce below), over `count` elements split into size() segments
   // (SegmentStart).
   // ReduceScatter: segment rank() of `out` receives that segment's reduction over every rank's
   // `in` (in == out means in place); the rest of `out` is scratch afterwards.
@@ -78,6 +78,17 @@ class Controller {
   // hosts with the same number of ranks, more than one, on each; always null on a process set.
   virtual Controller* local() { return nullptr; }
   virtual Controller* cross() { return nullptr; }
+  // The hierarchical allreduce over local() and cross() (both non-null): a reduce-scatter among
+  // this host's ranks, an allreduce of this rank's segment with the same segment of every other
+  // host (local_size rings at once, each on 1 / local_size of the data), then an allgather
+  // among this host's ranks. Each host link carries 2 (H - 1) / H of the tensor for H hosts,
+  // where a flat ring over every rank carries 2 (N - 1) / N. `how` names what ran
+  // (kHierarchical: the three phases one after another, controller.cc; a transport may
+  // overlap them on slices of the tensor: kHierarchicalPipelined).
+  virtual Status HierarchicalAllreduce(const void* in, void* out, int64_t count, DataType dtype,
+                                       ReduceOp op, const char** how);
+  static constexpr const char* kHierarchical = "hierarchical";
+  static constexpr const char* kHierarchicalPipelined = "hierarchical_pipelined";
 
   // A controller whose data plane runs over `ranks` only (sorted ranks of this controller):
   // its rank() and size() are this rank's position in `ranks` and their number, and it has no

@@ -80,6 +80,8 @@ class TcpController : public Controller {
   Status AllgatherSegments(void* data, int64_t count, DataType dtype) override;
   Controller* local() override { return local_.get(); }
   Controller* cross() override { return cross_.get(); }
+  Status HierarchicalAllreduce(const void* in, void* out, int64_t count, DataType dtype,
+                               ReduceOp op, const char** how) override;
   // Over the data mesh's connections between `ranks`: no communication (tcp_process_set.cc).
   Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
 
@@ -134,6 +136,19 @@ class TcpController : public Controller {
     const char* in;
     const char* out;
   };
+  // One transfer of the engine: `sends` to send_peer while receiving `recvs` from recv_peer.
+  // With lag >= 0, send piece i waits for received piece i - lag, chunk by chunk (what a ring
+  // forwards is what it just received); lag < 0: sends never wait. Lanes that run at once
+  // must not share a direction of a connection.
+  struct Lane {
+    int send_peer = -1;
+    std::vector<Piece> sends;
+    int recv_peer = -1;
+    std::vector<Piece> recvs;
+    int lag = -1;
+    bool reduce = false;
+    Reduction reduction{};
+  };
   // kBad: a frame failed its MAC or broke the framing (`text` says how); the job fails at once.
   enum class Pumped { kOk, kAbort, kClosed, kBad };
 
@@ -156,11 +171,16 @@ class TcpController : public Controller {
   // (tcp_process_set.cc).
   void SetupHierarchy();
 
-  // The one data-plane engine: sends `sends` to send_peer while receiving `recvs` from
-  // recv_peer. With lag >= 0, send piece i waits for received piece i - lag, chunk by chunk
-  // (what a ring forwards is what it just received); lag < 0: sends never wait.
+  // The one data-plane engine: runs every lane to its end at once, over nonblocking sockets.
+  Status Streams(const std::vector<Lane>& lanes);
   Status Stream(int send_peer, const std::vector<Piece>& sends, int recv_peer,
                 const std::vector<Piece>& recvs, int lag, const Reduction* reduction);
+  // A ring's reduce-scatter, allgather or both over `group` as one lane (GroupRing).
+  Lane RingLane(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
+                ReduceOp op, bool reduce_scatter, bool allgather) const;
+  // The hierarchical allreduce with its phases overlapped on slices (tcp_ring.cc).
+  Status PipelinedHierarchical(const void* in, void* out, int64_t count, DataType dtype,
+                               ReduceOp op);
   // Queues `message` for `peer`'s control connection; ControlExchange sends it.
   void QueueMessage(int peer, const std::string& message);
   // One control frame to `peer`: header, payload and its MAC (the next of this connection).
@@ -184,7 +204,7 @@ class TcpController : public Controller {
   sockaddr_storage own_address_{};  // this rank's address: the source of the connections it dials
   socklen_t own_address_length_ = 0;
   std::vector<Peer> peers_;
-  std::vector<char> scratch_;  // one received chunk, before it is reduced
+  std::vector<std::vector<char>> scratch_;  // per lane: one received chunk, before it is reduced
   std::vector<char> exchange_;  // what recursive doubling sends while `out` receives
   Status failed_;              // the first failure; every later call returns it
   double silence_secs_ = kPeerSilenceSecs;  // how long a silent peer is waited for
@@ -192,6 +212,7 @@ class TcpController : public Controller {
   // The hierarchical allreduce's groups over the mesh (local(), cross()); null when it does not
   // apply. Declared last: destroyed first.
   std::unique_ptr<Controller> local_, cross_;
+  Group local_group_, cross_group_;  // their ranks
 };
 
 }  // namespace perseus

@@ -117,6 +117,9 @@ void TcpController::SetupHierarchy() {
   // Every member of each list computes the same list, so positions in it agree.
   CreateProcessSet(local, &local_);
   CreateProcessSet(cross, &cross_);
+  local_group_ = {local, static_cast<int>(position)};
+  cross_group_ = {cross, static_cast<int>(std::find(cross.begin(), cross.end(), options_.rank) -
+                                          cross.begin())};
 }
 
 }  // namespace perseus

@@ -25,6 +25,13 @@ constexpr size_t kReduceChunkBytes = 256 << 10;
 // (log2(n) against 2(n - 1)/n times the buffer).
 constexpr size_t kDoublingMaxBytes = 64 << 10;
 
+// Hierarchical allreduces from this size overlap their phases on slices of about
+// kPipelineSliceBytes, at most kPipelineMaxSlices of them (PipelinedHierarchical). Below it
+// the phases take turns: the host's phases are short, and each stage costs a ring's latency.
+constexpr size_t kPipelineMinBytes = 4 << 20;
+constexpr size_t kPipelineSliceBytes = 2 << 20;
+constexpr size_t kPipelineMaxSlices = 16;
+
 bool PowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
 }  // namespace
@@ -32,98 +39,127 @@ bool PowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
 Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int recv_peer,
                              const std::vector<Piece>& recvs, int lag,
                              const Reduction* reduction) {
+  Lane lane{send_peer, sends, recv_peer, recvs, lag, reduction != nullptr, {}};
+  if (reduction) lane.reduction = *reduction;
+  return Streams({lane});
+}
+
+Status TcpController::Streams(const std::vector<Lane>& lanes) {
   if (!failed_.ok()) return failed_;
-  const size_t item = reduction ? DataTypeSize(reduction->dtype) : 1;
-  if (item == 0) {
-    return Fail(Status::Error("perseus_legacy: no element size for dtype " +
-                              std::to_string(static_cast<int>(reduction->dtype))));
+  // Where each lane stands: the piece being sent and the bytes of it sent, the piece being
+  // received, the bytes of it received and those reduced / in place, and the received bytes
+  // waiting in the lane's scratch.
+  struct Progress {
+    size_t send_step = 0, sent = 0;
+    size_t recv_step = 0, received = 0, landed = 0;
+    size_t chunk_fill = 0;
+    size_t item = 1, chunk = 0;
+  };
+  std::vector<Progress> at(lanes.size());
+  if (scratch_.size() < lanes.size()) scratch_.resize(lanes.size());
+  for (size_t i = 0; i < lanes.size(); ++i) {
+    if (!lanes[i].reduce) continue;
+    const size_t item = DataTypeSize(lanes[i].reduction.dtype);
+    if (item == 0) {
+      return Fail(Status::Error("perseus_legacy: no element size for dtype " +
+                                std::to_string(static_cast<int>(lanes[i].reduction.dtype))));
+    }
+    at[i].item = item;
+    at[i].chunk = std::max(item, kReduceChunkBytes / item * item);
+    if (scratch_[i].size() < at[i].chunk) scratch_[i].resize(at[i].chunk);
   }
-  const size_t chunk = std::max(item, kReduceChunkBytes / item * item);
-  if (reduction && scratch_.size() < chunk) scratch_.resize(chunk);
   const std::vector<int> control = ControlPeers();
-  size_t send_step = 0, sent = 0;      // piece being sent, bytes of it sent
-  size_t recv_step = 0, received = 0;  // piece being received, bytes of it received
-  size_t landed = 0;                   // bytes of that piece reduced / in place
-  size_t chunk_fill = 0;               // received bytes waiting in scratch_
   double last_progress = Now();
 
-  // How far the current send piece may go: what it forwards must have arrived first.
-  auto send_limit = [&]() -> size_t {
-    const size_t bytes = sends[send_step].bytes;
-    if (lag < 0 || send_step < static_cast<size_t>(lag)) return bytes;
-    const size_t source = send_step - lag;
-    if (source < recv_step) return bytes;
-    if (source == recv_step) return std::min(bytes, landed);
+  // How far lane i's current send piece may go: what it forwards must have arrived first.
+  auto send_limit = [&](size_t i) -> size_t {
+    const Lane& lane = lanes[i];
+    const Progress& p = at[i];
+    const size_t bytes = lane.sends[p.send_step].bytes;
+    if (lane.lag < 0 || p.send_step < static_cast<size_t>(lane.lag)) return bytes;
+    const size_t source = p.send_step - lane.lag;
+    if (source < p.recv_step) return bytes;
+    if (source == p.recv_step) return std::min(bytes, p.landed);
     return 0;
   };
 
+  std::vector<pollfd> fds;
   while (true) {
-    while (send_step < sends.size() && sent == sends[send_step].bytes) {
-      ++send_step;
-      sent = 0;
-    }
-    while (recv_step < recvs.size() && landed == recvs[recv_step].bytes) {
-      ++recv_step;
-      received = landed = 0;
-    }
-    const bool sending = send_step < sends.size();
-    const bool receiving = recv_step < recvs.size();
-    if (!sending && !receiving) return Status::OK();
+    bool active = false, progressed = false;
+    int silent = -1;  // whom a lane still waits on, should nothing move for too long
+    fds.clear();
+    for (size_t i = 0; i < lanes.size(); ++i) {
+      const Lane& lane = lanes[i];
+      Progress& p = at[i];
+      while (p.send_step < lane.sends.size() && p.sent == lane.sends[p.send_step].bytes) {
+        ++p.send_step;
+        p.sent = 0;
+      }
+      while (p.recv_step < lane.recvs.size() && p.landed == lane.recvs[p.recv_step].bytes) {
+        ++p.recv_step;
+        p.received = p.landed = 0;
+      }
+      const bool sending = p.send_step < lane.sends.size();
+      const bool receiving = p.recv_step < lane.recvs.size();
+      if (!sending && !receiving) continue;
+      active = true;
+      if (silent < 0) silent = receiving ? lane.recv_peer : lane.send_peer;
 
-    bool progressed = false;
-    size_t limit = sending ? send_limit() : 0;
-    if (sending && sent < limit) {
-      const ssize_t n = send(peers_[send_peer].data.fd(), sends[send_step].data + sent,
-                             limit - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
-      if (n > 0) {
-        sent += static_cast<size_t>(n);
-        progressed = true;
-      } else if (n < 0 && !WouldBlock(errno)) {
-        return Lost(send_peer, "connection failed: " + Errno(errno));
-      }
-    }
-    if (receiving) {
-      const Piece& piece = recvs[recv_step];
-      const bool reduce = reduction && recv_step < reduction->steps;
-      char* target = reduce ? scratch_.data() + chunk_fill : piece.data + received;
-      const size_t want = reduce ? std::min(chunk - chunk_fill, piece.bytes - received)
-                                 : piece.bytes - received;
-      const ssize_t n = recv(peers_[recv_peer].data.fd(), target, want, MSG_DONTWAIT);
-      if (n > 0) {
-        received += static_cast<size_t>(n);
-        progressed = true;
-        if (!reduce) {
-          landed = received;
-        } else {
-          chunk_fill += static_cast<size_t>(n);
-          if (chunk_fill == chunk || received == piece.bytes) {
-            char* place = piece.data + landed;
-            Reduce(reduction->dtype, reduction->op, scratch_.data(),
-                   reduction->in + (place - reduction->out), place,
-                   static_cast<int64_t>(chunk_fill / item));
-            landed += chunk_fill;
-            chunk_fill = 0;
-          }
+      const size_t limit = sending ? send_limit(i) : 0;
+      if (sending && p.sent < limit) {
+        const ssize_t n = send(peers_[lane.send_peer].data.fd(),
+                               lane.sends[p.send_step].data + p.sent, limit - p.sent,
+                               MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (n > 0) {
+          p.sent += static_cast<size_t>(n);
+          progressed = true;
+        } else if (n < 0 && !WouldBlock(errno)) {
+          return Lost(lane.send_peer, "connection failed: " + Errno(errno));
         }
-      } else if (n == 0) {
-        return Lost(recv_peer, "closed its connection (the process exited or was killed)");
-      } else if (!WouldBlock(errno)) {
-        return Lost(recv_peer, "connection failed: " + Errno(errno));
       }
+      if (receiving) {
+        const Piece& piece = lane.recvs[p.recv_step];
+        const bool reduce = lane.reduce && p.recv_step < lane.reduction.steps;
+        char* target = reduce ? scratch_[i].data() + p.chunk_fill : piece.data + p.received;
+        const size_t want = reduce ? std::min(p.chunk - p.chunk_fill, piece.bytes - p.received)
+                                   : piece.bytes - p.received;
+        const ssize_t n = recv(peers_[lane.recv_peer].data.fd(), target, want, MSG_DONTWAIT);
+        if (n > 0) {
+          p.received += static_cast<size_t>(n);
+          progressed = true;
+          if (!reduce) {
+            p.landed = p.received;
+          } else {
+            p.chunk_fill += static_cast<size_t>(n);
+            if (p.chunk_fill == p.chunk || p.received == piece.bytes) {
+              char* place = piece.data + p.landed;
+              const Reduction& r = lane.reduction;
+              Reduce(r.dtype, r.op, scratch_[i].data(), r.in + (place - r.out), place,
+                     static_cast<int64_t>(p.chunk_fill / p.item));
+              p.landed += p.chunk_fill;
+              p.chunk_fill = 0;
+            }
+          }
+        } else if (n == 0) {
+          return Lost(lane.recv_peer, "closed its connection (the process exited or was killed)");
+        } else if (!WouldBlock(errno)) {
+          return Lost(lane.recv_peer, "connection failed: " + Errno(errno));
+        }
+      }
+      // What to wait for should no lane move: recomputed on the next pass when one did.
+      if (sending && p.sent < limit) fds.push_back({peers_[lane.send_peer].data.fd(), POLLOUT, 0});
+      if (receiving) fds.push_back({peers_[lane.recv_peer].data.fd(), POLLIN, 0});
     }
+    if (!active) return Status::OK();
     const double now = Now();
     if (progressed) {
       last_progress = now;
       continue;
     }
     if (now - last_progress > silence_secs_) {
-      const int silent = receiving ? recv_peer : send_peer;
-      return Lost(silent, "stopped responding: no data moved for " +
-                              Seconds(silence_secs_) + " s");
+      return Lost(silent, "stopped responding: no data moved for " + Seconds(silence_secs_) +
+                              " s");
     }
-    std::vector<pollfd> fds;
-    if (sending && sent < limit) fds.push_back({peers_[send_peer].data.fd(), POLLOUT, 0});
-    if (receiving) fds.push_back({peers_[recv_peer].data.fd(), POLLIN, 0});
     for (int peer : control) {
       const Peer& p = peers_[peer];
       fds.push_back({p.closed.empty() ? p.control.fd() : -1, POLLIN, 0});  // ended: nothing new
@@ -219,14 +255,20 @@ Status TcpController::GroupRing(const Group& group, const void* in, void* out, i
                                 DataType dtype, ReduceOp op, bool reduce_scatter,
                                 bool allgather) {
   if (!failed_.ok()) return failed_;
+  if (group.size() == 1 || count == 0) {
+    if (in != out && reduce_scatter) std::memcpy(out, in, count * DataTypeSize(dtype));
+    return Status::OK();
+  }
+  return Streams({RingLane(group, in, out, count, dtype, op, reduce_scatter, allgather)});
+}
+
+TcpController::Lane TcpController::RingLane(const Group& group, const void* in, void* out,
+                                            int64_t count, DataType dtype, ReduceOp op,
+                                            bool reduce_scatter, bool allgather) const {
   const size_t item = DataTypeSize(dtype);
   char* data = static_cast<char*>(out);
   const char* source = static_cast<const char*>(in);
   const int n = group.size(), me = group.me;
-  if (n == 1 || count == 0) {
-    if (in != out && reduce_scatter) std::memcpy(data, in, count * item);
-    return Status::OK();
-  }
   // The ring's segment s is segment s - 1 (SegmentStart), so that the reduce-scatter leaves
   // this rank's own segment, me, complete (controller.h).
   auto segment = [&](int s) {
@@ -240,20 +282,83 @@ Status TcpController::GroupRing(const Group& group, const void* in, void* out, i
   // step's receipt, except the first, which sends this rank's own input: `out` is written only
   // by receipts (each reduction combines a receipt with `in`), so the input is never copied to
   // it first.
-  std::vector<Piece> sends, recvs;
+  Lane lane;
+  lane.send_peer = group.at(me + 1);
+  lane.recv_peer = group.at(me - 1);
+  lane.lag = 1;
   for (int t = 0; reduce_scatter && t < n - 1; ++t) {
     Piece send = segment(me - t);
     if (t == 0) send.data = const_cast<char*>(source) + (send.data - data);
-    sends.push_back(send);
-    recvs.push_back(segment(me - t - 1));
+    lane.sends.push_back(send);
+    lane.recvs.push_back(segment(me - t - 1));
   }
   for (int t = 0; allgather && t < n - 1; ++t) {
-    sends.push_back(segment(me + 1 - t));
-    recvs.push_back(segment(me - t));
+    lane.sends.push_back(segment(me + 1 - t));
+    lane.recvs.push_back(segment(me - t));
   }
-  const Reduction reduction{dtype, op, static_cast<size_t>(n - 1), source, data};
-  return Stream(group.at(me + 1), sends, group.at(me - 1), recvs, 1,
-                reduce_scatter ? &reduction : nullptr);
+  lane.reduce = reduce_scatter;
+  lane.reduction = Reduction{dtype, op, static_cast<size_t>(n - 1), source, data};
+  return lane;
+}
+
+Status TcpController::HierarchicalAllreduce(const void* in, void* out, int64_t count,
+                                            DataType dtype, ReduceOp op, const char** how) {
+  // The choice depends only on the count and dtype, which every rank has alike.
+  if (static_cast<size_t>(count) * DataTypeSize(dtype) < kPipelineMinBytes) {
+    return Controller::HierarchicalAllreduce(in, out, count, dtype, op, how);
+  }
+  *how = kHierarchicalPipelined;
+  return PipelinedHierarchical(in, out, count, dtype, op);
+}
+
+// The tensor is cut into slices that go through the three phases one stage apart: in stage k
+// the host's ranks reduce-scatter slice k and allgather slice k - 2 (one lane: they share the
+// host's connections) while the ring across hosts allreduces this rank's segment of slice
+// k - 1. The host link then idles only while the first slice is reduce-scattered and the last
+// one allgathered. Every rank runs the same stages; a connection carries each stage's bytes in
+// the same order on both of its ends, so a rank a stage ahead only waits.
+Status TcpController::PipelinedHierarchical(const void* in, void* out, int64_t count,
+                                            DataType dtype, ReduceOp op) {
+  if (!failed_.ok()) return failed_;
+  const size_t item = DataTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(count) * item;
+  const int slices = static_cast<int>(
+      std::min<size_t>(kPipelineMaxSlices, std::max<size_t>(2, bytes / kPipelineSliceBytes)));
+  const int local_size = local_group_.size(), me = local_group_.me;
+  auto first = [&](int k) { return SegmentStart(count, slices, k); };
+  auto at = [&](const void* base, int64_t element) {
+    return const_cast<char*>(static_cast<const char*>(base)) + element * static_cast<int64_t>(item);
+  };
+  for (int stage = 0; stage < slices + 2; ++stage) {
+    std::vector<Lane> lanes;
+    Lane host;
+    if (stage < slices) {
+      const int64_t start = first(stage), n = first(stage + 1) - start;
+      host = RingLane(local_group_, at(in, start), at(out, start), n, dtype, op, true, false);
+    }
+    if (stage >= 2) {
+      const int64_t start = first(stage - 2), n = first(stage - 1) - start;
+      Lane gather = RingLane(local_group_, at(out, start), at(out, start), n, dtype, op, false,
+                             true);
+      if (host.sends.empty() && host.recvs.empty()) {
+        host = gather;
+      } else {  // after the reduce-scatter's pieces: its reduced receipts stay the first ones
+        host.sends.insert(host.sends.end(), gather.sends.begin(), gather.sends.end());
+        host.recvs.insert(host.recvs.end(), gather.recvs.begin(), gather.recvs.end());
+      }
+    }
+    lanes.push_back(std::move(host));
+    if (stage >= 1 && stage <= slices) {
+      const int64_t start = first(stage - 1), n = first(stage) - start;
+      const int64_t offset = SegmentStart(n, local_size, me);
+      const int64_t mine = SegmentStart(n, local_size, me + 1) - offset;
+      void* segment = at(out, start + offset);
+      lanes.push_back(RingLane(cross_group_, segment, segment, mine, dtype, op, true, true));
+    }
+    Status s = Streams(lanes);
+    if (!s.ok()) return s;
+  }
+  return Status::OK();
 }
 
 Status TcpController::GroupAllgatherv(const Group& group, const void* in, void* out,

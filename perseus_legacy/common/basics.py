@@ -205,6 +205,8 @@ def runtime_stats() -> dict:
     the coordinator), "cache_evictions", "cache_invalidations", "coordinator_rounds",
     "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped",
     "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md),
+    "pipelined_hierarchical_allreduces" (those of them whose phases overlapped on slices of a
+    large tensor: docs/design.md),
     "single_rank_shortcuts" (allreduces and broadcasts of a one-rank job, which complete on the
     submitting thread with no negotiation, unless a timeline runs).
     """

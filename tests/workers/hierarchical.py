@@ -1,6 +1,7 @@
 """The hierarchical allreduce on emulated hosts: allreduces of every op and dtype, odd sizes,
-scaling, fused groups and a process set checked against numpy, and which algorithm ran, as
-the runtime counts it (runtime_stats) and the timeline records it.
+scaling, large tensors (pipelined over TCP), fused groups and a process set checked against
+numpy, and which algorithm ran, as the runtime counts it (runtime_stats) and the timeline
+records it.
 
 Usage: hierarchical.py EXPECT [TIMELINE]
   EXPECT: "hierarchical" (every allreduce of the global set runs hierarchically), or "flat"
@@ -31,7 +32,8 @@ LARGE = (1 << 18) + 7
 
 def counters() -> tuple:
     stats = _core.runtime_stats()
-    return stats["collectives_executed"]["allreduce"], stats["hierarchical_allreduces"]
+    return (stats["collectives_executed"]["allreduce"], stats["hierarchical_allreduces"],
+            stats["pipelined_hierarchical_allreduces"])
 
 
 def check_every_op_and_dtype(rank: int, size: int) -> None:
@@ -67,6 +69,27 @@ def check_large_and_scaled(rank: int, size: int) -> None:
     everyone = _core.allgather(mine[None, :], "h.inplace.bits")
     if not all(np.array_equal(row.view(np.uint32), mine.view(np.uint32)) for row in everyone):
         fail(rank, "h.inplace: ranks ended with different bits")
+
+
+def check_pipelined(rank: int, size: int) -> int:
+    """Tensors from 4 MiB, whose phases overlap on slices over TCP: odd counts, so that slices
+    and segments are uneven. Returns how many ran."""
+    cases = [("float32", cc.AVERAGE, 0.5, 3.0, (9 << 18) + 13, False),
+             ("float64", cc.MAX, 1.0, 1.0, (1 << 19) + 5, True),
+             ("int32", cc.SUM, 1.0, 1.0, (3 << 20) + 1, False)]
+    for i, (dtype, op, pre, post, count, in_place) in enumerate(cases):
+        name = f"h.pipelined.{i}"
+        data = [rank_data(r, (count,), dtype, seed=100 + i) for r in range(size)]
+        mine = data[rank].copy()
+        place = {"out": mine} if in_place else {}
+        got = _core.allreduce(mine, name, op=op, prescale_factor=pre, postscale_factor=post,
+                              **place)
+        assert_close(rank, name, got, cc.expected_reduce(data, op, dtype, pre, post),
+                     **cc.tolerance(dtype))
+        everyone = _core.allgather(got[None, :], f"{name}.bits")
+        if not all(np.array_equal(row, got) for row in everyone):
+            fail(rank, f"{name}: ranks ended with different values")
+    return len(cases)
 
 
 def check_fused(rank: int, size: int) -> None:
@@ -158,18 +181,24 @@ def main() -> None:
     print(f"[rank {rank}] {tf_config.controller_from_env()} local_size={_core.local_size()} "
           f"cross_size={_core.cross_size()}", flush=True)
     before = counters()
+    pipelined_cases = 0
     if expect == "hierarchical":  # the flat algorithms have tests of their own
         check_every_op_and_dtype(rank, size)
         check_large_and_scaled(rank, size)
+        pipelined_cases = check_pipelined(rank, size)
     check_fused(rank, size)
     in_set = check_process_set(rank, size)
     after = counters()
-    ran, hierarchical = after[0] - before[0], after[1] - before[1]
+    ran, hierarchical, pipelined = (a - b for a, b in zip(after, before))
     global_set = ran - in_set
     wanted = global_set if expect == "hierarchical" else 0
     if hierarchical != wanted:
         fail(rank, f"{hierarchical} of {ran} allreduces ran hierarchically ({in_set} on a "
                    f"process set), expected {wanted}")
+    # Only the TCP transport overlaps the phases; MPI runs them one after another.
+    wanted = pipelined_cases if tf_config.controller_from_env() == "tcp" else 0
+    if pipelined != wanted:
+        fail(rank, f"{pipelined} allreduces ran pipelined, expected {wanted}")
     if len(sys.argv) > 2:
         check_timeline(rank, size, sys.argv[2], expect)
     print(f"[rank {rank}] hierarchical OK: {hierarchical} of {ran} allreduces hierarchical",
