@@ -117,6 +117,26 @@ def test_tcp_cut_link_fails_the_other_host_within_the_silence_limit_naming_rank_
     assert_fault_named(out, 0, 1, TCP_BOUND_SECS, ".2:")
 
 
+@needs_emulation
+def test_tcp_frozen_rank_among_4_on_2_hosts_is_named_by_every_survivor():
+    """2 hosts x 2 ranks running 8 MiB allreduces (hierarchical, phases overlapped on slices):
+    rank 1 freezes before its next request. Rank 0 waits on it directly; ranks 2 and 3 wait on
+    rank 0's answer, and must not blame rank 0: every survivor that reports (the launcher ends
+    the job after the first) names rank 1, within the silence limit (PERSEUS_STALL_SHUTDOWN_SECS,
+    below 30 s)."""
+    bound = 5
+    code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2:2"],
+                               [WORKER, "stop", "1", str(2 << 20)],
+                               {"PERSEUS_STALL_SHUTDOWN_SECS": str(bound)})
+    assert code != 0, out
+    assert_fault_named(out, 0, 1, bound, None)
+    for survivor in (2, 3):
+        if f"[rank {survivor}] FAULT_SEEN" in out:
+            assert_fault_named(out, survivor, 1, bound, None)
+    pipelined = re.search(r"\[rank 0\] pipelined hierarchical allreduces: (\d+)", out)
+    assert pipelined and int(pipelined.group(1)) >= 20, out
+
+
 def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit():
     code, out = run_perseusrun(["-np", "2"], [ROOT / "tests" / "workers" / "fault_chief.py"],
                                {"PERSEUS_CHIEF_WAIT_SECS": "3"})

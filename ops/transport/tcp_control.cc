@@ -24,6 +24,11 @@ constexpr size_t kFrameHeaderBytes = 16;  // kind (u32), reserved (u32), length 
 constexpr size_t kFrameMacBytes = 32;
 // Messages a peer may have sent ahead of this rank's reading them; the protocol needs two.
 constexpr size_t kMaxQueuedMessages = 16;
+// A rank waiting for the coordinator's answer allows it this much more than the silence limit.
+// When another rank is the silent one, the coordinator, which waits on it directly, reaches the
+// limit first and its abort notice names that rank; without the margin the waiting ranks, whose
+// waits began a little earlier, would name rank 0 instead.
+constexpr double kCoordinatorGraceSecs = 2.0;
 
 std::string U64(uint64_t value) { return U32(value & 0xffffffffu) + U32(value >> 32); }
 
@@ -310,7 +315,7 @@ Status TcpController::BroadcastFromCoordinator(std::string* bytes) {
     for (int peer = 1; peer < size_; ++peer) QueueMessage(peer, *bytes);
     return ControlExchange({}, silence_secs_);
   }
-  Status s = ControlExchange({0}, silence_secs_);
+  Status s = ControlExchange({0}, silence_secs_ + kCoordinatorGraceSecs);
   if (!s.ok()) return s;
   *bytes = std::move(peers_[0].messages.front());
   peers_[0].messages.pop_front();
