@@ -173,8 +173,6 @@ class TcpController : public Controller {
 
   // The one data-plane engine: runs every lane to its end at once, over nonblocking sockets.
   Status Streams(const std::vector<Lane>& lanes);
-  Status Stream(int send_peer, const std::vector<Piece>& sends, int recv_peer,
-                const std::vector<Piece>& recvs, int lag, const Reduction* reduction);
   // A ring's reduce-scatter, allgather or both over `group` as one lane (GroupRing).
   Lane RingLane(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
                 ReduceOp op, bool reduce_scatter, bool allgather) const;

@@ -1,9 +1,9 @@
-// The TCP transport's data plane: one nonblocking engine (Stream) and the collectives built on
+// The TCP transport's data plane: one nonblocking engine (Streams) and the collectives built on
 // it: ring allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap) and each of its halves, recursive doubling for small allreduces, ring allgatherv,
-// pipelined chain broadcast, pairwise alltoallv. Each runs over a Group of ranks: every rank, a
-// process set's members, or a part of the hierarchical allreduce, over their connections of the
-// mesh.
+// overlap) and each of its halves, recursive doubling for small allreduces, the hierarchical
+// allreduce with its phases overlapped, ring allgatherv, pipelined chain broadcast, pairwise
+// alltoallv. Each runs over a Group of ranks: every rank, a process set's members, or a part of
+// the hierarchical allreduce, over their connections of the mesh.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -35,14 +35,6 @@ constexpr size_t kPipelineMaxSlices = 16;
 bool PowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
 }  // namespace
-
-Status TcpController::Stream(int send_peer, const std::vector<Piece>& sends, int recv_peer,
-                             const std::vector<Piece>& recvs, int lag,
-                             const Reduction* reduction) {
-  Lane lane{send_peer, sends, recv_peer, recvs, lag, reduction != nullptr, {}};
-  if (reduction) lane.reduction = *reduction;
-  return Streams({lane});
-}
 
 Status TcpController::Streams(const std::vector<Lane>& lanes) {
   if (!failed_.ok()) return failed_;
@@ -242,9 +234,8 @@ Status TcpController::GroupDoubling(const Group& group, const void* in, void* ou
       mine = exchange_.data();
     }
     const int partner = group.ranks[group.me ^ bit];
-    const Reduction reduction{dtype, op, 1, mine, data};
-    Status s = Stream(partner, {{const_cast<char*>(mine), bytes}}, partner, {{data, bytes}}, -1,
-                      &reduction);
+    Status s = Streams({{partner, {{const_cast<char*>(mine), bytes}}, partner, {{data, bytes}},
+                         -1, true, {dtype, op, 1, mine, data}}});
     if (!s.ok()) return s;
     mine = data;
   }
@@ -381,7 +372,7 @@ Status TcpController::GroupAllgatherv(const Group& group, const void* in, void* 
     sends.push_back(block(me - t));
     recvs.push_back(block(me - t - 1));
   }
-  return Stream(group.at(me + 1), sends, group.at(me - 1), recvs, 1, nullptr);
+  return Streams({{group.at(me + 1), std::move(sends), group.at(me - 1), std::move(recvs), 1}});
 }
 
 // A chain from the root around the ring, forwarded chunk by chunk as it arrives.
@@ -396,8 +387,8 @@ Status TcpController::GroupBroadcast(const Group& group, void* data, int64_t byt
   if (position != n - 1) sends.push_back(all);
   if (position != 0) recvs.push_back(all);
   // The root sends at once; every other rank forwards what it has received so far.
-  return Stream(sends.empty() ? -1 : next, sends, recvs.empty() ? -1 : prev, recvs,
-                position == 0 ? -1 : 0, nullptr);
+  return Streams({{sends.empty() ? -1 : next, std::move(sends), recvs.empty() ? -1 : prev,
+                   std::move(recvs), position == 0 ? -1 : 0}});
 }
 
 Status TcpController::GroupAlltoallv(const Group& group, const void* in,
@@ -419,10 +410,11 @@ Status TcpController::GroupAlltoallv(const Group& group, const void* in,
   // Step k: send to me + k while receiving from me - k; every pair meets exactly once.
   for (int k = 1; k < n; ++k) {
     const int to = (me + k) % n, from = (me + n - k) % n;
-    const std::vector<Piece> sends{{source + send_offset[to], send_offset[to + 1] - send_offset[to]}};
-    const std::vector<Piece> recvs{
-        {target + recv_offset[from], recv_offset[from + 1] - recv_offset[from]}};
-    Status s = Stream(group.ranks[to], sends, group.ranks[from], recvs, -1, nullptr);
+    Status s = Streams(
+        {{group.ranks[to],
+          {{source + send_offset[to], send_offset[to + 1] - send_offset[to]}},
+          group.ranks[from],
+          {{target + recv_offset[from], recv_offset[from + 1] - recv_offset[from]}}}});
     if (!s.ok()) return s;
   }
   return Status::OK();
