@@ -129,10 +129,11 @@ class TcpController : public Controller {
   };
   // Received pieces [0, steps) are reduced with `op` into their place in `out`, each with the
   // bytes at the same offset of `in` (which may be `out`); later ones land there as they are.
+  // steps == 0: nothing is reduced.
   struct Reduction {
     DataType dtype;
     ReduceOp op;
-    size_t steps;
+    size_t steps = 0;
     const char* in;
     const char* out;
   };
@@ -146,7 +147,6 @@ class TcpController : public Controller {
     int recv_peer = -1;
     std::vector<Piece> recvs;
     int lag = -1;
-    bool reduce = false;
     Reduction reduction{};
   };
   // kBad: a frame failed its MAC or broke the framing (`text` says how); the job fails at once.

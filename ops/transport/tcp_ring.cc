@@ -50,7 +50,7 @@ Status TcpController::Streams(const std::vector<Lane>& lanes) {
   std::vector<Progress> at(lanes.size());
   if (scratch_.size() < lanes.size()) scratch_.resize(lanes.size());
   for (size_t i = 0; i < lanes.size(); ++i) {
-    if (!lanes[i].reduce) continue;
+    if (lanes[i].reduction.steps == 0) continue;
     const size_t item = DataTypeSize(lanes[i].reduction.dtype);
     if (item == 0) {
       return Fail(Status::Error("perseus_legacy: no element size for dtype " +
@@ -111,7 +111,7 @@ Status TcpController::Streams(const std::vector<Lane>& lanes) {
       }
       if (receiving) {
         const Piece& piece = lane.recvs[p.recv_step];
-        const bool reduce = lane.reduce && p.recv_step < lane.reduction.steps;
+        const bool reduce = p.recv_step < lane.reduction.steps;
         char* target = reduce ? scratch_[i].data() + p.chunk_fill : piece.data + p.received;
         const size_t want = reduce ? std::min(p.chunk - p.chunk_fill, piece.bytes - p.received)
                                    : piece.bytes - p.received;
@@ -235,7 +235,7 @@ Status TcpController::GroupDoubling(const Group& group, const void* in, void* ou
     }
     const int partner = group.ranks[group.me ^ bit];
     Status s = Streams({{partner, {{const_cast<char*>(mine), bytes}}, partner, {{data, bytes}},
-                         -1, true, {dtype, op, 1, mine, data}}});
+                         -1, {dtype, op, 1, mine, data}}});
     if (!s.ok()) return s;
     mine = data;
   }
@@ -287,8 +287,8 @@ TcpController::Lane TcpController::RingLane(const Group& group, const void* in, 
     lane.sends.push_back(segment(me + 1 - t));
     lane.recvs.push_back(segment(me - t));
   }
-  lane.reduce = reduce_scatter;
-  lane.reduction = Reduction{dtype, op, static_cast<size_t>(n - 1), source, data};
+  lane.reduction = Reduction{dtype, op, reduce_scatter ? static_cast<size_t>(n - 1) : 0, source,
+                             data};
   return lane;
 }
 
