@@ -80,6 +80,9 @@ SYSTEMS = {
                              "product", tcp=True),
     "alone": System("each rank alone: plain RunConfig, no collectives (the machine's ceiling)",
                     "alone", "perseusrun", "product", tcp=True),
+    "alone_sync": System("each rank alone, but every step ends together (one 4-byte allreduce, "
+                         "TCP): the ceiling of any synchronous system here", "alone_sync",
+                         "perseusrun", "product", tcp=True),
     "sync_hook_mpi": System("MonitoredTrainingSession + hvd.SyncReplicasHook, MPI",
                             "sync_hook", "perseusrun", "product"),
     "dist_opt_mpi": System("hvd.DistributedOptimizer (tf.compat.v1), MPI", "dist_opt",
@@ -359,13 +362,14 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
     if not models:
         return
     figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    # One color per system in every panel (its 2-ranks-a-host point too); gray is the ceiling's.
+    # One color per system in every panel (its 2-ranks-a-host point too); gray is the ceilings'.
     palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # 7: gray
-    colors = {system: "gray" if system == "alone" else palette[index % len(palette)]
+    colors = {system: "gray" if system.startswith("alone") else palette[index % len(palette)]
               for index, system in enumerate(dict.fromkeys(r["system"] for r in rows))}
     for axis, model in zip(axes[0], models):
         for system in dict.fromkeys(r["system"] for r in rows if r["model"] == model):
-            for slots, style in ((1, "-o"), (2, "s")):
+            line = "--o" if system == "alone_sync" else "-o"  # the two ceilings, both gray
+            for slots, style in ((1, line), (2, "s" if system != "alone_sync" else "D")):
                 points = sorted((r["hosts"], r["efficiency"]) for r in rows
                                 if r["model"] == model and r["system"] == system
                                 and r["ranks_per_host"] == slots)

@@ -8,6 +8,9 @@ SYSTEM is what each row of the benchmark runs, each written as its users write i
   decides);
 - alone: the same Estimator with a plain RunConfig and a model_dir of its own on every rank, no
   collectives (the ranks only start their timed steps together): what the machine allows;
+- alone_sync: the same, but each step ends with a 4-byte allreduce, so every rank waits for the
+  slowest one each step, as in any synchronous training: what the machine allows a
+  synchronous system;
 - sync_hook: tf.compat.v1.train.MonitoredTrainingSession with `hvd.SyncReplicasHook()`;
 - dist_opt: `hvd.DistributedOptimizer` and `hvd.BroadcastGlobalVariablesHook(0)` in a
   MonitoredTrainingSession;
@@ -34,8 +37,8 @@ from pathlib import Path
 
 LEARNING_RATE = 1e-6  # the gradients are constants: the weights barely move
 RESULT = "RESULT "
-SYSTEMS = ("run_config", "alone", "sync_hook", "dist_opt", "horovod", "ps_async", "ps_sync",
-           "mwms")
+SYSTEMS = ("run_config", "alone", "alone_sync", "sync_hook", "dist_opt", "horovod", "ps_async",
+           "ps_sync", "mwms")
 
 
 def _threads(tf):
@@ -47,22 +50,27 @@ def _step_stats_hook(tf, args: argparse.Namespace, who: str, reporter: bool):
     """A SessionRunHook timing this process's steps after `args.warmup` of its own, reading
     global_step at both ends; writes the stats file (and RESULT, on the chief) at the end.
 
-    global_step is read once already after the first warm-up step: the first session.run of
-    a new set of fetches builds an executor for it, up to a second of CPU on a loaded host,
-    and the ranks do not finish that together, so a chief that started its clock after its
-    own first such run would count the slowest rank's build as training time (on 8 emulated
-    hosts sharing 2 cores, one step in ten took twice its time)."""
+    The first session.run of a new set of fetches builds an executor for it: up to a second of
+    CPU on a loaded host, which the ranks do not finish together. So the global step is read
+    once already after the first warm-up step, through the same tensor StopAtStepHook reads
+    (the global step's cached read): otherwise the first read after the warm-up, and
+    StopAtStepHook's own check in the last step, would each build one inside the timed
+    steps. The ranks would build it together, and on 8 emulated hosts sharing 2 cores, the
+    last step took 280 ms more than the others (ResNet-101): 5% of ten steps."""
+
+    from tensorflow.python.training import training_util
 
     class StepStats(tf.compat.v1.train.SessionRunHook):
         def begin(self) -> None:
-            self.global_step = tf.compat.v1.train.get_global_step()
+            # StopAtStepHook's tensor (created by its begin(), or here first)
+            self.global_step = training_util._get_or_create_global_step_read()
             self.local_steps = 0
             self.first = None  # (seconds, cpu seconds, global step)
 
         def after_run(self, run_context, run_values) -> None:
             self.local_steps += 1
             if self.local_steps == args.warmup:
-                if args.system == "alone":
+                if args.system.startswith("alone"):
                     _start_together()
                 self.first = self._now(run_context.session)
                 self.first_step = self.local_steps
@@ -131,7 +139,8 @@ def _total_steps(args: argparse.Namespace) -> int:
 def run_estimator(args: argparse.Namespace) -> None:
     """run_config (perseus) or ps_async / ps_sync (TF_CONFIG) Estimators."""
     hvd = None
-    if args.system in ("run_config", "alone"):
+    alone = args.system.startswith("alone")
+    if args.system == "run_config" or alone:
         import perseus_legacy as hvd  # first: on TF >= 2.16 it brings tf.estimator back
     import tensorflow as tf
 
@@ -140,7 +149,7 @@ def run_estimator(args: argparse.Namespace) -> None:
               "save_checkpoints_secs": None, "save_summary_steps": 0,
               "log_step_count_steps": None}
     replicas = args.replicas
-    if args.system == "alone":
+    if alone:
         hvd.init()  # for the rank and the start together only
         kwargs["model_dir"] = os.path.join(args.model_dir, f"rank{hvd.rank()}")
         config = tf.estimator.RunConfig(session_config=_threads(tf), **kwargs)
@@ -167,6 +176,9 @@ def run_estimator(args: argparse.Namespace) -> None:
             hooks.append(optimizer.make_session_run_hook(config.is_chief))
         train_op = optimizer.minimize(
             loss, global_step=tf.compat.v1.train.get_or_create_global_step())
+        if args.system == "alone_sync":
+            with tf.control_dependencies([train_op]):  # the step ends when every rank's ends
+                train_op = tf.group(hvd.allreduce(tf.zeros([1]), name="alone_sync.barrier"))
         return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op,
                                           training_hooks=hooks)
 
@@ -279,7 +291,7 @@ def main() -> None:
     parser.add_argument("--model-dir")
     args = parser.parse_args()
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    if args.system in ("run_config", "alone", "ps_async", "ps_sync"):
+    if args.system in ("run_config", "alone", "alone_sync", "ps_async", "ps_sync"):
         run_estimator(args)
     elif args.system == "mwms":
         run_mwms(args)
