@@ -368,8 +368,9 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
               for index, system in enumerate(dict.fromkeys(r["system"] for r in rows))}
     for axis, model in zip(axes[0], models):
         for system in dict.fromkeys(r["system"] for r in rows if r["model"] == model):
-            line = "--o" if system == "alone_sync" else "-o"  # the two ceilings, both gray
-            for slots, style in ((1, line), (2, "s" if system != "alone_sync" else "D")):
+            # one rank a host, two; the two ceilings are both gray
+            styles = ("--o", "D") if system == "alone_sync" else ("-o", "s")
+            for slots, style in zip((1, 2), styles):
                 points = sorted((r["hosts"], r["efficiency"]) for r in rows
                                 if r["model"] == model and r["system"] == system
                                 and r["ranks_per_host"] == slots)
