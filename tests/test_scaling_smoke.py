@@ -78,7 +78,7 @@ def test_gradients_have_every_tensors_scaled_size():
 def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
     out_json = tmp_path / "rows.jsonl"
     cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--models", "tiny", "--hosts", "2",
-           "--systems", "run_config_tcp,sync_hook_mpi,alone_sync", "--steps", "3",
+           "--systems", "run_config_tcp,sync_hook_mpi,alone,alone_sync", "--steps", "3",
            "--warmup", "2", "--step-scale", "0.5", "--timeout", "120", "--product-tf", "2.21",
            "--json", str(out_json),
            "--chart", "none"]
@@ -93,7 +93,8 @@ def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
     assert proc.returncode == 0, f"{failure_summary(out)}\n{out}"
     rows = [json.loads(line) for line in out_json.read_text().splitlines()]
     assert {(r["system"], r["hosts"]) for r in rows} == {
-        (s, h) for s in ("run_config_tcp", "sync_hook_mpi", "alone_sync") for h in (1, 2)}
+        (s, h) for s in ("run_config_tcp", "sync_hook_mpi", "alone", "alone_sync")
+        for h in (1, 2)}
     for row in rows:
         for field in ("model", "system", "hosts", "ranks_per_host", "examples_per_s",
                       "efficiency", "compute_bound_examples_per_s",
@@ -101,7 +102,9 @@ def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
             assert row[field] is not None, (field, row)
         assert row["examples_per_s"] > 0 and row["trainers"] == row["hosts"]
         if row["hosts"] == 2:  # the runtime's counters: rounds and allreduces over the steps
-            if row["system"] == "alone_sync":  # `alone` plus one barrier a step, nothing else
+            if row["system"] == "alone":
+                assert row["collectives_per_step"] == 0, row
+            elif row["system"] == "alone_sync":  # `alone` plus one barrier a step
                 assert row["collectives_per_step"] == 1, row
             else:
                 assert row["rounds_per_step"] >= 1 and row["collectives_per_step"] >= 1, row
