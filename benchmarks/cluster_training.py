@@ -293,7 +293,7 @@ def launch_parameter_servers(config: Config, hosts: int, model_dir: Path,
     procs = Processes(time.monotonic() + args.timeout)
     dedicated = args.ps_layout == "dedicated"
     with emulate.emulated_hosts(2 * hosts if dedicated else hosts,
-                                link_rate=args.link_rate) as machines:
+                                link_rate=args.link_rate, mtu=args.link_mtu) as machines:
         try:
             trainer_hosts, ps_hosts = machines[:hosts], machines[hosts if dedicated else 0:]
             cluster = {"chief": [f"{trainer_hosts[0].address}:{WORKER_PORT}"],
@@ -356,8 +356,9 @@ def launch_perseusrun(config: Config, hosts: int, model_dir: Path,
     program = program or [python, *process_args(config, model_dir, hosts, args)]
     # A waiting rank yields its core: on separate machines its wait would cost no other host
     # anything, and here 4 hosts share 2 cores.
+    mtu = ["--link-mtu", str(args.link_mtu)] if args.link_mtu else []
     cmd = [python, "-m", "perseusrun", "--emulate-hosts", f"{hosts}:{slots}", "--link-rate",
-           args.link_rate, "--yield-when-idle", "on", *(["--tcp"] if config.tcp else []),
+           args.link_rate, *mtu, "--yield-when-idle", "on", *(["--tcp"] if config.tcp else []),
            "--timeout", str(int(args.timeout)), *program]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=process_env(config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -504,6 +505,7 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(CONFIGS)}")
     parser.add_argument("--hosts", default="1,2,4", help="comma-separated host counts")
     parser.add_argument("--link-rate", default="1gbit", help="each host's link, tc syntax")
+    parser.add_argument("--link-mtu", type=int, help="the links' MTU (default 1500)")
     parser.add_argument("--ps-layout", choices=("colocated", "dedicated"), default="colocated",
                         help="a ps task beside each chief/worker, or each on a host of its own")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per process")
@@ -546,6 +548,7 @@ def main() -> None:
         link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         if any(CONFIGS[name].run != "plain" for name in names):
             emulate.check_requirements(args.link_rate)
+        emulate.check_mtu(args.link_mtu)
     except emulate.EmulationError as exc:
         parser.error(str(exc))
     launches = [(name, n) for name in names for n in host_counts(name, hosts)]

@@ -188,7 +188,7 @@ def _run_hosts(hosts: int, slots: int, env_for, python: str, program: list,
     from perseusrun import emulate
 
     procs = cluster_training.Processes(time.monotonic() + args.timeout)
-    with emulate.emulated_hosts(hosts, link_rate=args.link_rate) as cluster, \
+    with emulate.emulated_hosts(hosts, link_rate=args.link_rate, mtu=args.link_mtu) as cluster, \
             (before(cluster) if before else contextlib.nullcontext()):
         try:
             for index in range(hosts * slots):
@@ -295,7 +295,7 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "collectives_per_step": result["collectives"] / per_step
             if per_step and result.get("collectives") is not None else None,
             "trainers": result["trainers"], "link_rate": args.link_rate,
-            "byte_scale": args.byte_scale, "steps": args.steps}
+            "link_mtu": args.link_mtu or 1500, "byte_scale": args.byte_scale, "steps": args.steps}
 
 
 def add_relative(rows: list) -> None:
@@ -323,8 +323,8 @@ def print_table(rows: list, args: argparse.Namespace) -> None:
         print(f"\n{model}: batch {profile.batch} per rank, {profile.step_ms:.0f} ms of compute "
               f"per step, {sum(profile.tensor_elements(args.byte_scale)) * 4 / 2**20:.1f} MiB "
               f"of gradients in {len(profile.tensor_elements(1))} tensors (x{args.byte_scale:g}"
-              f" of the real bytes), links {args.link_rate}, {args.steps} timed steps after "
-              f"{args.warmup}\n")
+              f" of the real bytes), links {args.link_rate} (MTU {args.link_mtu or 1500}), "
+              f"{args.steps} timed steps after {args.warmup}\n")
         print("| system | hosts x ranks | examples/s | efficiency | compute bound | "
               "compute + link bound | link hidden | CPU ms/step (all ranks) | cores busy |")
         print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -361,11 +361,12 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
     models = list(dict.fromkeys(r["model"] for r in rows))
     if not models:
         return
-    figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    figure, axes = plt.subplots(1, len(models), figsize=(5 * len(models) + 2.5, 4.5),
+                                squeeze=False)
     # One color per system in every panel (its 2-ranks-a-host point too); gray is the ceilings'.
     palette = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]  # 7: gray
-    colors = {system: "gray" if system.startswith("alone") else palette[index % len(palette)]
-              for index, system in enumerate(dict.fromkeys(r["system"] for r in rows))}
+    systems = [s for s in dict.fromkeys(r["system"] for r in rows) if not s.startswith("alone")]
+    colors = {system: palette[index % len(palette)] for index, system in enumerate(systems)}
     for axis, model in zip(axes[0], models):
         for system in dict.fromkeys(r["system"] for r in rows if r["model"] == model):
             # one rank a host, two; the two ceilings are both gray
@@ -374,9 +375,9 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
                 points = sorted((r["hosts"], r["efficiency"]) for r in rows
                                 if r["model"] == model and r["system"] == system
                                 and r["ranks_per_host"] == slots)
-                if points:
-                    label = system if slots == 1 else f"{system}, 2 ranks/host"
-                    axis.plot(*zip(*points), style, label=label, color=colors[system])
+                if points:  # the 2-ranks-a-host marks share one legend entry (below)
+                    axis.plot(*zip(*points), style, label=system if slots == 1 else None,
+                              color=colors.get(system, "gray"))
         bound = sorted({(r["hosts"], r["comm_bound_examples_per_s"]
                          / r["compute_bound_examples_per_s"]) for r in rows
                         if r["model"] == model and r["ranks_per_host"] == 1})
@@ -401,8 +402,15 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
         axis.set_ylabel("scaling efficiency")
         axis.set_ylim(0, 1.1)
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
-    figure.tight_layout()
+    if any(r["ranks_per_host"] == 2 for r in rows):
+        axes[0][-1].plot([], [], "ks", label="square, diamond: 2 ranks a host")
+    labelled = {}
+    for axis in axes[0]:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            labelled.setdefault(label, handle)
+    figure.legend(labelled.values(), labelled.keys(), loc="center left", fontsize=8,
+                  bbox_to_anchor=(1 - 2.4 / figure.get_figwidth(), 0.5))
+    figure.tight_layout(rect=(0, 0, 1 - 2.5 / figure.get_figwidth(), 1))
     figure.savefig(chart, dpi=100)
     print(f"chart: {chart}", file=sys.stderr, flush=True)
 
@@ -458,6 +466,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
                         help=f"comma-separated, of {', '.join(SYSTEMS)}, or all")
     parser.add_argument("--link-rate", default="1gbit", help="each emulated host's link")
+    parser.add_argument("--link-mtu", type=int, help="the emulated links' MTU (default 1500)")
     parser.add_argument("--real-link-rate", default=REAL_LINK,
                         help="the real cluster's link: gradients are scaled by link/real")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per launch")
@@ -504,6 +513,7 @@ def main() -> None:
         args.link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         args.byte_scale = args.link_bytes_s / emulate.rate_bytes_per_second(args.real_link_rate)
         emulate.check_requirements(args.link_rate)
+        emulate.check_mtu(args.link_mtu)
         for model in models:
             scaling_model.load_profile(model)
     except (emulate.EmulationError, ValueError) as exc:

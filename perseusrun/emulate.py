@@ -5,7 +5,8 @@ private /24 of 10.77.0.0/16), its own hostname (a UTS namespace per started proc
 /etc/hosts that names every host. The veths meet on a bridge in this (the launch) namespace,
 which holds the subnet's .254 address: Open MPI's daemons call mpirun back there, as compute
 nodes call a login node. `link_rate` limits each host's link in both directions (tc tbf on both
-ends of its veth). Needs root and iproute2 (`ip`, `tc`) and util-linux `unshare`.
+ends of its veth); `mtu` sets every link's MTU (default 1500; jumbo frames: 9000). Needs root
+and iproute2 (`ip`, `tc`) and util-linux `unshare`.
 
     with emulated_hosts(2, link_rate="1gbit") as hosts:
         proc = hosts[1].popen([sys.executable, "task.py"], env=env)
@@ -35,6 +36,7 @@ from pathlib import Path
 SUBNET_PREFIX = "10.77"  # host i of a job is 10.77.N.(i + 1); the launch side is 10.77.N.254
 LAUNCH_HOST = 254
 MAX_HOSTS = 64
+MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host must take; a veth's largest
 COMMAND_TIMEOUT = 30.0
 # How long a launcher waits for another one's setup or removal of emulated hosts (each of their
 # commands is bounded by COMMAND_TIMEOUT), and how often it looks.
@@ -116,6 +118,13 @@ def check_requirements(link_rate: str | None = None) -> None:
                 if shutil.which(tool) is None]
     if missing:
         raise EmulationError("emulated hosts need " + " and ".join(missing))
+
+
+def check_mtu(mtu: int | None) -> None:
+    """Raises EmulationError unless `mtu` is None (the default, 1500) or a veth's MTU."""
+    if mtu is not None and not MIN_MTU <= mtu <= MAX_MTU:
+        raise EmulationError(f"link MTU {mtu}: expected {MIN_MTU} to {MAX_MTU} bytes "
+                             "(1500 is Ethernet's, 9000 jumbo frames)")
 
 
 def rate_bytes_per_second(rate: str) -> float:
@@ -267,7 +276,8 @@ def _limit(device: str, rate: str, bytes_per_second: float, namespace: str | Non
          "burst", str(burst), "latency", "10ms")
 
 
-def _build(tag: str, count: int, link_rate: str | None, state: Path) -> EmulatedHosts:
+def _build(tag: str, count: int, link_rate: str | None, state: Path,
+           mtu: int | None) -> EmulatedHosts:
     subnet = _free_subnet()
     bridge = f"{tag}br"
     hosts = [EmulatedHost(i, f"{tag}h{i}", f"{tag}h{i}", f"{SUBNET_PREFIX}.{subnet}.{i + 1}")
@@ -276,6 +286,9 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path) -> Emulated
     job_dir.mkdir(mode=0o700)
     rate = rate_bytes_per_second(link_rate) if link_rate else None
     _run("ip", "link", "add", bridge, "type", "bridge")
+    mtu_args = ["mtu", str(mtu)] if mtu else []
+    if mtu_args:
+        _run("ip", "link", "set", bridge, *mtu_args)
     _run("ip", "addr", "add", f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}/24", "dev", bridge)
     _run("ip", "link", "set", bridge, "up")
     etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in hosts)
@@ -284,9 +297,9 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path) -> Emulated
         _run("ip", "netns", "add", host.namespace)
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
              host.namespace)
-        _run("ip", "link", "set", veth, "master", bridge, "up")
+        _run("ip", "link", "set", veth, *mtu_args, "master", bridge, "up")
         _run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
-        _run("ip", "-n", host.namespace, "link", "set", "eth0", "up")
+        _run("ip", "-n", host.namespace, "link", "set", "eth0", *mtu_args, "up")
         _run("ip", "-n", host.namespace, "link", "set", "lo", "up")
         if rate is not None:
             _limit(veth, link_rate, rate, None)  # into the host
@@ -301,7 +314,8 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path) -> Emulated
 
 
 @contextlib.contextmanager
-def emulated_hosts(count: int, link_rate: str | None = None) -> Iterator[EmulatedHosts]:
+def emulated_hosts(count: int, link_rate: str | None = None,
+                   mtu: int | None = None) -> Iterator[EmulatedHosts]:
     """`count` emulated hosts for the time of the with-block; everything is removed after it.
 
     Removal also runs when the block raises (KeyboardInterrupt included); SIGINT and SIGTERM are
@@ -312,6 +326,7 @@ def emulated_hosts(count: int, link_rate: str | None = None) -> Iterator[Emulate
     check_requirements(link_rate)
     if link_rate:
         rate_bytes_per_second(link_rate)
+    check_mtu(mtu)
     state = _state_dir()
     tag = f"{TAG_PREFIX}{os.getpid()}x{next(_job_numbers)}"
     if len(f"{tag}h{count - 1}") > 15:  # Linux interface names
@@ -319,7 +334,7 @@ def emulated_hosts(count: int, link_rate: str | None = None) -> Iterator[Emulate
     try:
         with _locked(state):
             remove_stale(state)
-            hosts = _build(tag, count, link_rate, state)
+            hosts = _build(tag, count, link_rate, state, mtu)
         yield hosts
     finally:
         previous, deferred = _defer_stop_signals()

@@ -43,6 +43,7 @@ def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
         emulate.check_requirements(args.link_rate)
         if args.link_rate:
             emulate.rate_bytes_per_second(args.link_rate)
+        emulate.check_mtu(args.link_mtu)
     except emulate.EmulationError as exc:
         raise UsageError(str(exc)) from None
     if elastic:  # -np may come from the discovery script: checked when it has run
@@ -95,7 +96,7 @@ def run_emulated(args: argparse.Namespace, env: dict, count: int, slots: int) ->
     """Builds the emulated hosts, runs the job across them, removes them whatever happens."""
     previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
     try:
-        with emulate.emulated_hosts(count, args.link_rate) as hosts:
+        with emulate.emulated_hosts(count, args.link_rate, args.link_mtu) as hosts:
             if args.verbose:
                 listed = ", ".join(f"{h.name}={h.address}" for h in hosts)
                 print(f"perseusrun: {count} emulated hosts with {slots} slots on {hosts.subnet}:"

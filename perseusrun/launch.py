@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-rate", metavar="RATE",
                    help="with --emulate-hosts: limit each host's link to RATE in each direction "
                         "(tc syntax: 1gbit, 10gbit, 100mbit)")
+    p.add_argument("--link-mtu", type=int, metavar="BYTES",
+                   help="with --emulate-hosts: the links' MTU (default 1500; 9000 for jumbo "
+                        "frames)")
     p.add_argument("--restarts", type=int, default=0, metavar="K",
                    help="after a lost rank, start the job again (at most K times), without "
                         "its host when --min-np allows; it resumes from the last checkpoint")
@@ -115,8 +118,9 @@ def choose_backend(args: argparse.Namespace, env: dict) -> ModuleType:
     """The backend module (see perseusrun.job) that runs this command line."""
     if args.emulate_hosts:
         return emulated_run
-    if args.link_rate:
-        raise UsageError("--link-rate limits emulated hosts' links: add --emulate-hosts N")
+    for flag, value in (("--link-rate", args.link_rate), ("--link-mtu", args.link_mtu)):
+        if value:
+            raise UsageError(f"{flag} sets emulated hosts' links: add --emulate-hosts N")
     if slurm_run.in_allocation(args, env):
         if elastic_run.is_elastic(args):
             raise UsageError("elastic training (--min-np, --max-np, --host-discovery-script) "

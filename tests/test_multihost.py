@@ -49,6 +49,8 @@ COLLECTIVES = "tests/workers/multihost_collectives.py"
     (["--emulate-hosts", "2:x", "x"], "bad slot count 'x'"),
     (["--emulate-hosts", "2", "-H", "a:2", "x"], "drop -H/--hostfile"),
     (["--link-rate", "1gbit", "-np", "2", "x"], "add --emulate-hosts"),
+    (["--link-mtu", "9000", "-np", "2", "x"], "add --emulate-hosts"),
+    (["--emulate-hosts", "2", "--link-mtu", "100", "x"], "link MTU 100: expected 576 to"),
     (["--tcp", "--emulate-hosts", "2", "-np", "3", "x"], "-np 3 needs 3 slots"),
 ])
 def test_bad_emulation_options_exit_2_naming_the_problem(capsys, argv, message):
@@ -128,11 +130,11 @@ LAUNCH_WORKER = "tests/workers/launch_worker.py"
 
 
 @needs_emulation
-def test_emulated_hosts_have_names_addresses_loopback_and_rate_limits_both_ways_then_vanish():
-    with emulate.emulated_hosts(2, link_rate="100mbit") as hosts:
+def test_emulated_hosts_have_names_addresses_loopback_rate_limits_both_ways_and_mtu_then_vanish():
+    with emulate.emulated_hosts(2, link_rate="100mbit", mtu=9000) as hosts:
         tag = hosts.tag
         for host in hosts:
-            shell = ("hostname; ip -o -4 addr show; ip -o link show lo; "
+            shell = ("hostname; ip -o -4 addr show; ip -o link show lo; ip -o link show eth0; "
                      "tc qdisc show dev eth0; getent hosts " + hosts[1 - host.index].name)
             out = subprocess.run(host.command(["/bin/sh", "-c", shell]), capture_output=True,
                                  text=True, timeout=30).stdout
@@ -144,6 +146,11 @@ def test_emulated_hosts_have_names_addresses_loopback_and_rate_limits_both_ways_
             into = subprocess.run(["tc", "qdisc", "show", "dev", f"{tag}v{host.index}"],
                                   capture_output=True, text=True, timeout=30).stdout
             assert "tbf" in into and "rate 100Mbit" in into, into  # into the host
+            for link in (f"{tag}v{host.index}", f"{tag}br"):  # the veth's end here, the bridge
+                shown = subprocess.run(["ip", "-o", "link", "show", link], capture_output=True,
+                                       text=True, timeout=30).stdout
+                assert " mtu 9000 " in shown, shown
+            assert out.count(" mtu 9000 ") == 1, out  # eth0 (lo keeps its own)
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     assert tag not in out and not namespaces_of(os.getpid()), out
 
