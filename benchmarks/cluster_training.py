@@ -547,8 +547,7 @@ def main() -> None:
     try:
         link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         if any(CONFIGS[name].run != "plain" for name in names):
-            emulate.check_requirements(args.link_rate)
-        emulate.check_mtu(args.link_mtu)
+            emulate.check_requirements(args.link_rate, args.link_mtu)
     except emulate.EmulationError as exc:
         parser.error(str(exc))
     launches = [(name, n) for name in names for n in host_counts(name, hosts)]

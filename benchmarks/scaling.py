@@ -512,8 +512,7 @@ def main() -> None:
     try:
         args.link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         args.byte_scale = args.link_bytes_s / emulate.rate_bytes_per_second(args.real_link_rate)
-        emulate.check_requirements(args.link_rate)
-        emulate.check_mtu(args.link_mtu)
+        emulate.check_requirements(args.link_rate, args.link_mtu)
         for model in models:
             scaling_model.load_profile(model)
     except (emulate.EmulationError, ValueError) as exc:

@@ -106,8 +106,9 @@ class EmulatedHosts(Sequence):
                 "--mca", "btl_tcp_if_include", self.subnet]
 
 
-def check_requirements(link_rate: str | None = None) -> None:
-    """Raises EmulationError naming what is missing: root, `ip`, `unshare`, `tc`."""
+def check_requirements(link_rate: str | None = None, mtu: int | None = None) -> None:
+    """Raises EmulationError naming what is missing (root, `ip`, `unshare`, `tc`) or what is
+    wrong with the links' rate or MTU."""
     missing = []
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         missing.append("root (network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)")
@@ -118,10 +119,8 @@ def check_requirements(link_rate: str | None = None) -> None:
                 if shutil.which(tool) is None]
     if missing:
         raise EmulationError("emulated hosts need " + " and ".join(missing))
-
-
-def check_mtu(mtu: int | None) -> None:
-    """Raises EmulationError unless `mtu` is None (the default, 1500) or a veth's MTU."""
+    if link_rate:
+        rate_bytes_per_second(link_rate)
     if mtu is not None and not MIN_MTU <= mtu <= MAX_MTU:
         raise EmulationError(f"link MTU {mtu}: expected {MIN_MTU} to {MAX_MTU} bytes "
                              "(1500 is Ethernet's, 9000 jumbo frames)")
@@ -323,10 +322,7 @@ def emulated_hosts(count: int, link_rate: str | None = None,
     """
     if not 1 <= count <= MAX_HOSTS:
         raise EmulationError(f"emulated hosts: {count} requested, 1 to {MAX_HOSTS} supported")
-    check_requirements(link_rate)
-    if link_rate:
-        rate_bytes_per_second(link_rate)
-    check_mtu(mtu)
+    check_requirements(link_rate, mtu)
     state = _state_dir()
     tag = f"{TAG_PREFIX}{os.getpid()}x{next(_job_numbers)}"
     if len(f"{tag}h{count - 1}") > 15:  # Linux interface names

@@ -40,10 +40,7 @@ def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
         raise UsageError(f"-np {args.np} needs {args.np} slots but --emulate-hosts "
                          f"{args.emulate_hosts} gives {count * slots}")
     try:
-        emulate.check_requirements(args.link_rate)
-        if args.link_rate:
-            emulate.rate_bytes_per_second(args.link_rate)
-        emulate.check_mtu(args.link_mtu)
+        emulate.check_requirements(args.link_rate, args.link_mtu)
     except emulate.EmulationError as exc:
         raise UsageError(str(exc)) from None
     if elastic:  # -np may come from the discovery script: checked when it has run
