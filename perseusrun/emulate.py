@@ -284,12 +284,10 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path,
     job_dir = state / tag
     job_dir.mkdir(mode=0o700)
     rate = rate_bytes_per_second(link_rate) if link_rate else None
-    _run("ip", "link", "add", bridge, "type", "bridge")
     mtu_args = ["mtu", str(mtu)] if mtu else []
-    if mtu_args:
-        _run("ip", "link", "set", bridge, *mtu_args)
+    _run("ip", "link", "add", bridge, "type", "bridge")
     _run("ip", "addr", "add", f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}/24", "dev", bridge)
-    _run("ip", "link", "set", bridge, "up")
+    _run("ip", "link", "set", bridge, *mtu_args, "up")
     etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in hosts)
     for host in hosts:
         veth = f"{tag}v{host.index}"
