@@ -113,7 +113,9 @@ def run_estimator(case: str, out: str, model_root: str, who: str, rank: int, siz
         return tf.data.Dataset.from_tensor_slices((ex[0], ey[0])).batch(GLOBAL_BATCH)
 
     model_dir = os.path.join(model_root, case)
-    kwargs = dict(model_dir=model_dir, save_checkpoints_steps=2, save_summary_steps=0,
+    # Checkpoints (and evaluations) every 2 steps for early stopping, else at the end only.
+    every = 2 if case == "early_stopping" else MAX_STEPS
+    kwargs = dict(model_dir=model_dir, save_checkpoints_steps=every, save_summary_steps=0,
                   log_step_count_steps=None)
     config = (tf.estimator.RunConfig(**kwargs) if who == "reference"
               else pl.run_config(**kwargs))
