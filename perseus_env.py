@@ -430,6 +430,15 @@ def lost_rank_in(line: str) -> int | None:
     return int(found.group(2)) if found else None
 
 
+_SAVED = re.compile(r"(?:saved global step (\d+)|global step (\d+) was already saved): (\S+)")
+
+
+def saved_step_in(line: str) -> tuple[int, str] | None:
+    """(global step, checkpoint path) when a lost_rank_line() says that step is saved whole."""
+    found = _SAVED.search(line) if _LOST_RANK_LINE.search(line) else None
+    return (int(found.group(1) or found.group(2)), found.group(3)) if found else None
+
+
 # ---- the elastic driver's wire: perseusrun.elastic_driver <-> perseus_legacy elastic_client
 # One request per connection, each message one JSON line. The driver opens with a nonce; the
 # worker's request carries HMAC-SHA-256(secret, driver nonce + request) and a nonce of its own,
