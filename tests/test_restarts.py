@@ -15,6 +15,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from harness import (
     ROOT,
@@ -215,3 +216,35 @@ def test_min_np_above_np_is_a_usage_error():
     assert launch.main(["--tcp", "-np", "2", "--restarts", "1", "--min-np", "3", "python",
                         "x"]) == 2
     assert launch.main(["--tcp", "-np", "2", "--restarts", "-1", "python", "x"]) == 2
+
+
+def test_batch_norm_moving_statistics_advance_in_a_step_whose_gradient_fails(restart_worker):
+    """What a survivor's checkpoint holds of batch normalization (docs/design.md): the usual
+    TF1 pattern runs the moving-statistics updates (UPDATE_OPS) as control dependencies of the
+    train op, next to the gradients, not after them. A step whose gradient fails (as a
+    collective does when a rank is lost) leaves the weights as they were, yet the moving mean
+    has advanced: the step's statistics are in what the survivor saves. Checked in one process
+    with a gradient that fails on purpose, against numpy's moving mean."""
+    _, tf = restart_worker
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    graph = tf.Graph()
+    with graph.as_default():
+        features = tf.constant(x)
+        normalized = tf.compat.v1.layers.batch_normalization(features, momentum=0.5,
+                                                             training=True)
+        w = tf.compat.v1.get_variable("w", initializer=tf.ones([3, 1]))
+        loss = tf.reduce_mean(tf.matmul(normalized, w))
+        optimizer = tf.compat.v1.train.GradientDescentOptimizer(0.1)
+        grads = optimizer.compute_gradients(loss, [w])
+        failing = [(tf.debugging.check_numerics(g / 0.0, "lost rank"), v) for g, v in grads]
+        with tf.control_dependencies(tf.compat.v1.get_collection(
+                tf.compat.v1.GraphKeys.UPDATE_OPS)):
+            train_op = optimizer.apply_gradients(failing)
+        [moving] = [v for v in tf.compat.v1.global_variables() if "moving_mean" in v.name]
+        with tf.compat.v1.Session() as session:
+            session.run(tf.compat.v1.global_variables_initializer())
+            with pytest.raises(tf.errors.InvalidArgumentError, match="lost rank"):
+                session.run(train_op)
+            after, weights = session.run([moving, w])
+    np.testing.assert_array_equal(weights, np.ones([3, 1]))  # no update
+    np.testing.assert_allclose(after, 0.5 * x.mean(axis=0), rtol=1e-6)  # one more update

@@ -193,16 +193,21 @@ bool WaitLookup(Lookup& lookup, double until, int* rc, std::vector<Endpoint>* ou
   return true;
 }
 
-// The addresses of the names this process has resolved for one job (`job`: its digest), so
-// that a name shared by many ranks (every slot of a host) is looked up once, not once per rank
-// by the dialer and again by the accept loop. Only answers with addresses are kept: a name not
-// published yet is looked up again. Another job (an elastic regroup: a new address list) looks
-// its names up afresh.
+// The addresses of the names this process has resolved during one start-up (`job`: its
+// digest), so that a name shared by many ranks (every slot of a host) is looked up once, not
+// once per rank by the dialer and again by the accept loop. Only answers with addresses are
+// kept: a name not published yet is looked up again. Each start-up (an elastic regroup, a new
+// init()) begins afresh: a pod restarted under its name may have another address.
 class ResolvedNames {
  public:
   static ResolvedNames& Get() {
     static ResolvedNames names;
     return names;
+  }
+  void Begin(const std::string& job) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    job_ = job;
+    found_.clear();
   }
   bool Find(const std::string& job, const std::string& host, std::vector<Endpoint>* out) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -215,11 +220,7 @@ class ResolvedNames {
   void Keep(const std::string& job, const std::string& host,
             const std::vector<Endpoint>& endpoints) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (job != job_) {
-      job_ = job;
-      found_.clear();
-    }
-    found_[host] = endpoints;
+    if (job == job_) found_[host] = endpoints;  // else a lookup of a start-up that is over
   }
 
  private:
@@ -446,6 +447,7 @@ Status TcpController::Rendezvous() {
   std::string job;
   for (const std::string& address : options_.addresses) job += address + "\n";
   job_digest_ = AsString(Sha256("perseus-job\n" + job));
+  ResolvedNames::Get().Begin(job_digest_);
   std::vector<Endpoint> own;
   Status s = Resolve(job_digest_, options_.addresses[me], me, me, deadline, limit, &own);
   if (!s.ok()) return s;

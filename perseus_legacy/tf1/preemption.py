@@ -78,7 +78,10 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
         session.close = close_and_restore
 
     def _restore(self) -> None:
-        """Puts back the handlers this hook replaced (once)."""
+        """Puts back the handlers this hook replaced (once; on the main thread, which alone
+        may set them)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
         previous, self._previous = self._previous, {}
         for signum, handler in previous.items():
             signal.signal(signum, handler)
