@@ -35,6 +35,9 @@ from perseusrun import emulate, launch
 
 TIMEOUT = 150
 IMPOSTOR = worker_module("tcp_impostor")  # the handshake as a stranger speaks it
+# tcp_rendezvous.cc's kAnswerGraceSecs (1 s) and a margin: a handshake younger than that is never
+# dropped for a newer connection.
+ANSWER_GRACE_SECS = 1.2
 CORE_TASK = "tcp_core_task.py"  # a rank without TensorFlow: starts in a fraction of a second
 
 
@@ -76,8 +79,8 @@ def refusal_lines(rank: int, out: str) -> list[tuple[str, str]]:
 def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them():
     """30 idle and 30 garbage-sending connections (an HTTP request, 4 KiB of noise, a claim
     without the secret) to rank 0 and to rank 1 while they wait for the other ranks: more than
-    the handshakes a rank lets wait from one address, so the oldest idle ones are dropped for
-    newer ones."""
+    the handshakes a rank lets wait from one address, so the oldest idle ones, older than
+    ANSWER_GRACE_SECS, are dropped for newer ones."""
     addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
     ranks = []
     strangers: dict[int, list[socket.socket]] = {0: [], 1: []}
@@ -86,8 +89,11 @@ def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them()
         # Rank 1 starts after rank 0's flood (so none of its own handshakes can be dropped
         # among the strangers' and counted with them) and rank 2 after rank 1's.
         for target in (0, 1):
-            ranks.append(start_rank(target, addresses))
+            ranks.append(start_rank(target, addresses, worker=CORE_TASK))
             idle = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
+            # A handshake younger than ANSWER_GRACE_SECS is never dropped (a newer connection is
+            # refused instead): the idle ones must have had their time before the newer come.
+            time.sleep(ANSWER_GRACE_SECS)  # a rule of time, not a wait for another process
             garbage = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
             for i, sock in enumerate(garbage):
                 noise = (b"GET / HTTP/1.1\r\nHost: rank\r\n\r\n", os.urandom(4096),
@@ -95,7 +101,7 @@ def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them()
                 sock.sendall(noise)
             strangers[target] = idle + garbage
             names[target] = {"{}:{}".format(*sock.getsockname()) for sock in idle + garbage}
-        ranks.append(start_rank(2, addresses))
+        ranks.append(start_rank(2, addresses, worker=CORE_TASK))
         results = finish(ranks, TIMEOUT)
     finally:
         for sock in strangers[0] + strangers[1]:
