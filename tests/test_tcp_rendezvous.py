@@ -142,9 +142,10 @@ def test_a_rank_with_a_wrong_secret_fails_the_job_on_every_rank_naming_it():
     2 fail when the start timeout ends, each naming rank 1 as the one that did not prove the
     secret (rank 2 was refused by it, or could not reach it)."""
     addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
-    ranks = [start_rank(0, addresses, "init", start_timeout=15),
-             start_rank(1, addresses, "init", start_timeout=15, secret="a-secret-of-another-job"),
-             start_rank(2, addresses, "init", start_timeout=15)]
+    ranks = [start_rank(0, addresses, "init", worker=CORE_TASK, start_timeout=15),
+             start_rank(1, addresses, "init", worker=CORE_TASK, start_timeout=15,
+                        secret="a-secret-of-another-job"),
+             start_rank(2, addresses, "init", worker=CORE_TASK, start_timeout=15)]
     results = finish(ranks, timeout=60)
     everything = "\n".join(out for _, out in results)
     assert [code for code, _ in results] == [3, 3, 3], everything
@@ -264,12 +265,16 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
         assert code == 0 and f"[rank {rank}] sum OK size=2" in out, everything
     opened = [int(re.search(r"FLOODED (\d+)", out).group(1)) for out in floods]
     assert opened[0] > 100 and opened[1] > 10, floods
-    # C's flood turned the strangers' slots over many times while rank 1's handshakes waited.
-    assert ("dropped to make room for a newer connection from the same address (at most 32 "
-            "handshakes wait at once from addresses of no rank)") in results[0][1], everything
-    drops = re.search(r"(\d+) dropped for newer connections from the same address",
-                      results[0][1])
-    assert drops and int(drops.group(1)) > 100, everything
+    # C's flood turned the strangers' slots over many times while rank 1's handshakes waited:
+    # newer connections dropped the older ones, or were refused while those were younger than
+    # 1 s (either, as the flood's pace and the load make it).
+    assert re.search(r"(dropped to make room for a newer connection|refused: 32 handshakes) "
+                     r"from (the same address \(at most 32 handshakes wait at once from )?"
+                     r"addresses of no rank", results[0][1]), everything
+    turned = sum(int(count) for count in re.findall(
+        r"(\d+) (?:dropped for newer connections|refused while the handshakes) from the same "
+        r"address", results[0][1]))
+    assert turned > 100, everything
 
 
 def test_a_job_on_one_host_forms_through_a_flood_of_100_connections_from_its_own_address():
