@@ -1,4 +1,4 @@
-"""Jobs under a real Slurm on emulated hosts (perseusrun/emulate_slurm.py): srun without MPI (the
+"""Jobs under a real Slurm on emulated hosts (tests/emulate_slurm.py): srun without MPI (the
 TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
 inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
 
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 
+import emulate_slurm
 import pytest
 from harness import (
     BIN,
@@ -38,7 +39,7 @@ from harness import (
 
 import perseus_env
 from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
-from perseusrun import emulate, emulate_slurm, launch, slurm_run
+from perseusrun import emulate, launch, slurm_run
 
 PERSEUSRUN = str(BIN / "perseusrun")
 TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
