@@ -187,7 +187,8 @@ setup(
     license_files=["LICENSE"],
     classifiers=["Programming Language :: Python :: 3", "Programming Language :: C++"],
     python_requires=">=3.9",
-    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
+    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun",
+                                    "perseus_shared"]),
     py_modules=["perseus_env"],
     # tensorboard: tf.summary.* of Estimator model_fns; TensorFlow >= 2.21 no longer installs it.
     # mpi4py builds against an MPI: a build without one does not ask for it.

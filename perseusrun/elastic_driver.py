@@ -8,7 +8,7 @@ heartbeat stopped for HEARTBEAT_LIMIT seconds (a frozen process, a cut link), an
 ends it. Workers started since (new hosts) join the next round; surviving ranks keep their
 order, so rank 0 is an old rank whose state sync() broadcasts. Too few workers for --min-np
 end the job: every waiting worker exits with the reason. Messages prove the job secret both
-ways (perseus_env.elastic_send).
+ways (elastic_wire.elastic_send).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import perseus_env
+from perseus_shared import elastic_wire
 
 # A worker whose heartbeat (every 0.5 s) stopped this long ago, while the others regroup, is lost.
 HEARTBEAT_LIMIT = 5.0
@@ -227,12 +227,12 @@ class Driver:
                 reader = conn.makefile("r", encoding="utf-8")
                 nonce = secrets.token_hex(16)
                 conn.sendall((nonce + "\n").encode())
-                request = perseus_env.elastic_receive(reader, self.secret, nonce,
+                request = elastic_wire.elastic_receive(reader, self.secret, nonce,
                                                       "an elastic worker's request")
                 conn.settimeout(None)
                 answer = self._handle(request, conn)
                 if answer is not None:
-                    perseus_env.elastic_send(conn, self.secret, str(request.get("nonce", "")),
+                    elastic_wire.elastic_send(conn, self.secret, str(request.get("nonce", "")),
                                              answer)
             except (OSError, ValueError) as exc:
                 if not self.finished:

@@ -30,7 +30,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-import perseus_env
+from perseus_shared.mpi import MPI_LAUNCHER_VARIABLES
 from perseusrun import emulate, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,7 +68,7 @@ def task_env(extra: dict | None = None, base: dict | None = None) -> dict:
     without any launcher's, TF_CONFIG's or Keras selection's variables, plus `extra`."""
     env = launch_env() if base is None else dict(base)
     for name in ("TF_CONFIG", "TF_USE_LEGACY_KERAS", "PERSEUS_CONTROLLER", "PERSEUS_TCP_RANK",
-                 "PERSEUS_TCP_ADDRESSES", *perseus_env.MPI_LAUNCHER_VARIABLES):
+                 "PERSEUS_TCP_ADDRESSES", *MPI_LAUNCHER_VARIABLES):
         env.pop(name, None)
     env.update(extra or {})
     return env

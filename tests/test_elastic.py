@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from harness import ROOT, WORKERS, launch_env, namespaces_of, needs_emulation
 
-import perseus_env
+from perseus_shared import elastic_wire
 from perseusrun import elastic_run, launch
 from perseusrun.elastic_driver import Driver, Worker
 
@@ -56,10 +56,10 @@ def test_driver_answers_only_requests_that_prove_the_job_secret():
             with socket.create_connection((host, int(port)), timeout=10) as sock:
                 reader = sock.makefile("r", encoding="utf-8")
                 nonce = reader.readline().strip()
-                perseus_env.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
+                elastic_wire.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
                                                             "nonce": "n" * 32, "round": 0})
                 if answered:
-                    answer = perseus_env.elastic_receive(reader, secret, "n" * 32, "answer")
+                    answer = elastic_wire.elastic_receive(reader, secret, "n" * 32, "answer")
                     assert answer == {"updated": False}
                 else:
                     assert reader.readline() == ""  # closed without an answer

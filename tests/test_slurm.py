@@ -2,10 +2,10 @@
 TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
 inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
 
-The rules that turn a Slurm step's variables into ranks (perseus_env.py) and perseusrun's rules
-in an allocation are tested first, without a cluster. The cluster needs root, iproute2 and the
-packages slurm-wlm, munge and libpmix-dev (`make slurm-packages`); without them its tests are
-skipped with the reason. Every cluster is started by the test that uses it and stopped
+The rules that turn a Slurm step's variables into ranks (perseus_shared/slurm.py) and
+perseusrun's rules in an allocation are tested first, without a cluster. The cluster needs root,
+iproute2 and the packages slurm-wlm, munge and libpmix-dev (`make slurm-packages`); without them
+its tests are skipped with the reason. Every cluster is started by the test that uses it and stopped
 (daemons, namespaces, files) after it.
 """
 
@@ -37,8 +37,8 @@ from harness import (
     trajectory,
 )
 
-import perseus_env
-from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
+from perseus_shared import slurm
+from perseus_shared.slurm import SlurmEnvironmentError, slurm_tcp_settings
 from perseusrun import emulate, launch, slurm_run
 
 PERSEUSRUN = str(BIN / "perseusrun")
@@ -59,21 +59,21 @@ JOB_TIMEOUT = 240
     ("a-1,b[0-1]-x", ["a-1", "b0-x", "b1-x"]),
 ])
 def test_host_lists_expand_as_scontrol_show_hostnames(text, expected):
-    assert perseus_env.expand_hostlist(text) == expected
+    assert slurm.expand_hostlist(text) == expected
 
 
 @pytest.mark.parametrize("text", ["n[1-", "n[3-1]", "n[a]", "n]1["])
 def test_a_malformed_host_list_is_named(text):
     with pytest.raises(SlurmEnvironmentError, match="host list"):
-        perseus_env.expand_hostlist(text)
+        slurm.expand_hostlist(text)
 
 
 def test_tasks_per_node_and_the_block_and_cyclic_placements():
-    assert perseus_env.expand_tasks_per_node("2(x2),1") == [2, 2, 1]
-    assert perseus_env.slurm_placement([2, 1]) == [(0, 0), (0, 1), (1, 0)]
-    assert perseus_env.slurm_placement([2, 1], "cyclic:block") == [(0, 0), (1, 0), (0, 1)]
+    assert slurm.expand_tasks_per_node("2(x2),1") == [2, 2, 1]
+    assert slurm.slurm_placement([2, 1]) == [(0, 0), (0, 1), (1, 0)]
+    assert slurm.slurm_placement([2, 1], "cyclic:block") == [(0, 0), (1, 0), (0, 1)]
     with pytest.raises(SlurmEnvironmentError, match="SLURM_DISTRIBUTION='plane=2'"):
-        perseus_env.slurm_placement([2, 2], "plane=2")
+        slurm.slurm_placement([2, 2], "plane=2")
 
 
 def step_env(**changes: str | None) -> dict:
@@ -88,7 +88,7 @@ def step_env(**changes: str | None) -> dict:
 
 def test_a_step_without_mpi_gives_rank_addresses_from_nodes_and_local_ids():
     settings = slurm_tcp_settings(step_env())
-    port = perseus_env.SLURM_PORT_FIRST + (42 * 8) % perseus_env.SLURM_PORT_BLOCKS * 64
+    port = slurm.SLURM_PORT_FIRST + (42 * 8) % slurm.SLURM_PORT_BLOCKS * 64
     assert settings == {
         "PERSEUS_CONTROLLER": "tcp", "PERSEUS_TCP_RANK": "3", "PERSEUS_SECRET": SECRET,
         "PERSEUS_TCP_ADDRESSES": f"localhost:{port},localhost:{port + 1},"
@@ -198,7 +198,7 @@ def test_the_emulated_nodes_are_slurm_nodes_named_by_their_hostnames(cluster):
     assert names == sorted(cluster.node_names * 2), out
     listed = run_on_login_node(cluster, ["scontrol", "show", "hostnames",
                                          f"{cluster.node_names[0][:-1]}[0-1]"], timeout=60)
-    assert listed.split() == cluster.node_names == perseus_env.expand_hostlist(
+    assert listed.split() == cluster.node_names == slurm.expand_hostlist(
         f"{cluster.node_names[0][:-1]}[0-1]")
 
 
@@ -230,7 +230,7 @@ def test_a_missing_secret_directory_is_named_by_every_task(cluster):
     """Each task of a real step reads its own variables and names the problem. (What init()
     reads, without its TensorFlow start-up: the srun tests above go through init().)"""
     missing = cluster.directory / "not-shared" / "secret"
-    reads = "import os, perseus_env; perseus_env.slurm_tcp_settings(os.environ)"
+    reads = "import os; from perseus_shared import slurm; slurm.slurm_tcp_settings(os.environ)"
     out = run_on_login_node(
         cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
         env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(missing)}, expect_failure=True)

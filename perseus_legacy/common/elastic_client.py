@@ -4,7 +4,7 @@ still runs. Framework-free: basics.init() asks it for the group to join.
 
 The driver runs in the launcher when `perseusrun --tcp` is elastic (--min-np, --max-np or
 --host-discovery-script); it sets PERSEUS_ELASTIC_DRIVER and PERSEUS_ELASTIC_WORKER on every
-worker it starts. Every message proves the job secret (perseus_env.elastic_send).
+worker it starts. Every message proves the job secret (perseus_shared/elastic_wire.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import perseus_env
 from perseus_env import ELASTIC_DRIVER_VARIABLE, ELASTIC_WORKER_VARIABLE
+from perseus_shared import elastic_wire
 
 # A worker sends a heartbeat this often; the driver counts a worker silent for a few as lost.
 HEARTBEAT_SECONDS = 0.5
@@ -84,9 +85,9 @@ def request(message: dict, secret: str, timeout: float | None = None) -> dict:
     sock, reader, nonce = _connect(timeout)
     try:
         mine = secrets.token_hex(16)
-        perseus_env.elastic_send(sock, secret, nonce, {**message, "worker": _worker(),
+        elastic_wire.elastic_send(sock, secret, nonce, {**message, "worker": _worker(),
                                                        "nonce": mine})
-        return perseus_env.elastic_receive(reader, secret, mine, "the elastic driver's answer")
+        return elastic_wire.elastic_receive(reader, secret, mine, "the elastic driver's answer")
     finally:
         reader.close()
         sock.close()
@@ -96,7 +97,7 @@ def _heartbeat(secret: str) -> None:
     while True:
         try:
             sock, reader, nonce = _connect(None)
-            perseus_env.elastic_send(sock, secret, nonce, {"op": "heartbeat",
+            elastic_wire.elastic_send(sock, secret, nonce, {"op": "heartbeat",
                                                            "worker": _worker(), "nonce": ""})
             while True:
                 sock.sendall(b".")

@@ -10,7 +10,7 @@ Each survivor then knows, without any further collective, which rank is the lowe
 that rank writes a whole checkpoint of its variables into the job's checkpoint directory (where
 rank 0 writes: the `model_dir` given to run_config(), or the path given to checkpoint_dir()),
 with the graph's own Saver, so the `checkpoint` file names it only once it is complete. Every
-survivor prints one line (perseus_env.lost_rank_line: which rank was lost, which step was saved
+survivor prints one line (perseus_shared/lost_rank.py: which rank was lost, which step was saved
 and where) and the error goes on as before: the rank exits. `perseusrun --restarts` reads that
 line, and a rerun, or a TF_CONFIG task restarted by its scheduler, resumes from that checkpoint.
 
@@ -33,8 +33,8 @@ from typing import Any
 
 import tensorflow as tf
 
-import perseus_env
 from perseus_legacy.common import basics, failure
+from perseus_shared.lost_rank import lost_rank_line
 
 _LOST = re.compile(r"perseus_legacy: rank (\d+) \(")
 _WATCHED = "_perseus_survivor_watched"
@@ -118,7 +118,7 @@ def _report(session: Any, run: Any, lost: int) -> None:
             saved = _save(session, run, directory)
         except Exception as exc:  # the original error goes on; say why nothing was saved
             saved = f"saving the last completed step in {directory} failed: {exc}"
-    print(perseus_env.lost_rank_line(rank, lost, saved), flush=True)
+    print(lost_rank_line(rank, lost, saved), flush=True)
 
 
 def _saver(graph: tf.Graph) -> Any:
