@@ -26,11 +26,7 @@ import perseus_env
 from perseus_env import LEGACY_KERAS_SET_HERE
 from perseus_shared import slurm
 from perseusrun import elastic_run, emulated_run, mpi_run, slurm_run, tcp_run
-from perseusrun.emulated_run import EMULATED_TCP_PORT  # noqa: F401 (perseusrun's public names)
-from perseusrun.job import UsageError, parse_hosts  # noqa: F401
-from perseusrun.mpi_run import build_mpirun_command  # noqa: F401
-from perseusrun.supervise import ABORT_EXIT_CODE, TIMEOUT_EXIT_CODE  # noqa: F401
-from perseusrun.tcp_run import free_local_ports  # noqa: F401
+from perseusrun.job import UsageError
 
 
 def _parser() -> argparse.ArgumentParser:

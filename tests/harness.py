@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from perseus_shared.mpi import MPI_LAUNCHER_VARIABLES
-from perseusrun import emulate, launch
+from perseusrun import emulate, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -190,7 +190,7 @@ def run_emulated(options: list, script: str, *args, timeout: float = 240,
     """Runs `perseusrun OPTIONS --timeout T python SCRIPT ARGS` (OPTIONS: --emulate-hosts ...);
     asserts it exits 0 (non-zero with expect_failure, never by the timeout). The output."""
     code, out = run_perseusrun(options, [ROOT / script, *args], env, timeout)
-    if (code != 0) != expect_failure or code == launch.TIMEOUT_EXIT_CODE:
+    if (code != 0) != expect_failure or code == supervise.TIMEOUT_EXIT_CODE:
         raise AssertionError(f"perseusrun {' '.join(map(str, options))} {script}\nexit {code}. "
                              f"Error lines:\n{failure_summary(out)}\nOutput:\n{out}")
     return out

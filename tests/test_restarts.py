@@ -26,7 +26,7 @@ from harness import (
     worker_module,
 )
 
-from perseusrun import launch
+from perseusrun import launch, supervise
 
 ESTIMATOR_WORKER = ROOT / "tests" / "workers" / "restart_estimator.py"
 MONITORED_WORKER = ROOT / "tests" / "workers" / "restart_monitored.py"
@@ -107,7 +107,7 @@ def test_monitored_session_survivor_saves_the_last_step_and_too_few_ranks_left_i
     code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2", "--restarts", "1"],
                                [MONITORED_WORKER, model_dir], {"TMPDIR": str(tmp_path)},
                                timeout=TIMEOUT)
-    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    assert code not in (0, supervise.TIMEOUT_EXIT_CODE), out
     fault = worker.FAULT_STEP
     assert (f"perseus_legacy[rank 0]: rank 1 was lost; saved global step {fault}: "
             f"{model_dir}/model.ckpt-{fault}") in out, out

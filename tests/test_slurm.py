@@ -1,4 +1,4 @@
-"""Jobs under a real Slurm on emulated hosts (perseusrun/emulate_slurm.py): srun without MPI (the
+"""Jobs under a real Slurm on emulated hosts (tests/emulate_slurm.py): srun without MPI (the
 TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
 inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
 
@@ -20,6 +20,7 @@ import threading
 import time
 import zlib
 
+import emulate_slurm
 import pytest
 from harness import (
     BIN,
@@ -41,7 +42,7 @@ from harness import (
 
 from perseus_shared import slurm
 from perseus_shared.slurm import SlurmEnvironmentError, slurm_tcp_settings
-from perseusrun import emulate, emulate_slurm, launch, slurm_run
+from perseusrun import emulate, launch, slurm_run
 
 PERSEUSRUN = str(BIN / "perseusrun")
 TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
