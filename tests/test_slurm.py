@@ -308,6 +308,7 @@ def test_srun_without_mpi_trains_over_tcp_like_one_process(cluster):
     directory; local/cross ranks follow the nodes; Adam ends where one process ends."""
     secret = cluster.directory / "secret"
     secret.write_text(SECRET)
+    secret.chmod(0o600)
     out = run_on_login_node(
         cluster, srun(sys.executable, TRAIN, "tcp", 2, 2, cluster.directory / "tcp"),
         env={"PERSEUS_SECRET_FILE": str(secret)})
@@ -325,18 +326,57 @@ def test_srun_mpi_pmix_trains_over_mpi_like_one_process(cluster):
 
 
 @needs_slurm
-def test_a_missing_secret_directory_is_named_by_every_task(cluster):
+def test_a_missing_or_world_readable_secret_file_is_named_by_every_task(cluster):
     """Each task of a real step reads its own variables and names the problem. (What init()
     reads, without its TensorFlow start-up: the srun tests above go through init().)"""
     missing = cluster.directory / "not-shared" / "secret"
+    readable = cluster.directory / "readable-secret"
+    readable.write_text(SECRET)
+    readable.chmod(0o644)
     reads = "import os; from perseus_shared import slurm; slurm.slurm_tcp_settings(os.environ)"
-    out = run_on_login_node(
-        cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
-        env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(missing)}, expect_failure=True)
-    for rank in range(4):
-        assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{missing}'" in out, \
-            out
-    assert out.count(f"its directory {missing.parent} does not exist on this node") == 4, out
+    for path, problem in ((missing, f"its directory {missing.parent} does not exist on this "
+                                    "node"),
+                          (readable, "has mode 0644: the job secret must be readable by its "
+                                     "owner only")):
+        out = run_on_login_node(
+            cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
+            env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(path)}, expect_failure=True)
+        for rank in range(4):
+            assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{path}'" in out, \
+                out
+        assert out.count(problem) == 4, out
+
+
+@needs_slurm
+def test_two_jobs_whose_ports_once_collided_run_together_on_one_node(cluster):
+    """Job J's step 8 and job J+1's step 0 (which shared their ports) run at the same time on
+    one node, each task holding its port as init() does: both hold their own."""
+    ready = cluster.directory / "ready"
+    ready.mkdir()
+    node = cluster.node_names[0]
+    holder = f"{sys.executable} {ROOT / 'tests' / 'workers' / 'slurm_port_holder.py'} {ready} 2"
+    jobs = []
+    for wrap in ("for i in 0 1 2 3 4 5 6 7; do srun true || exit 1; done; " f"srun {holder}",
+                 f"srun {holder}"):  # steps 0-7 end before the last one starts
+        argv = ["sbatch", "--wait", "--parsable", "-w", node, "-N1", "-n1",
+                f"--output={cluster.directory}/%j.out", "--wrap", wrap]
+        proc = subprocess.Popen(cluster.command(argv), env=cluster.env(launch_env(
+            {"PERSEUS_SECRET": SECRET})), cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        jobs.append((proc, int(proc.stdout.readline().strip().split(";")[0])))
+    for proc, _ in jobs:
+        try:
+            proc.wait(timeout=JOB_TIMEOUT)
+        finally:
+            proc.kill()
+    out = "".join((cluster.directory / f"{job}.out").read_text() for _, job in jobs)
+    first, second = (job for _, job in jobs)
+    assert second == first + 1, out
+    held = re.findall(r"HELD job (\d+) step (\d+) port (\d+)", out)
+    assert sorted((int(job), int(step)) for job, step, _ in held) == [(first, 8), (second, 0)], \
+        f"{out}\n{cluster.logs()}"
+    assert held[0][2] != held[1][2], out
+    assert [proc.returncode for proc, _ in jobs] == [0, 0], out
 
 
 @needs_slurm
