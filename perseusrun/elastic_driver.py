@@ -14,6 +14,7 @@ ways (elastic_wire.elastic_send).
 from __future__ import annotations
 
 import errno
+import resource
 import secrets
 import selectors
 import socket
@@ -32,9 +33,13 @@ HEARTBEAT_LIMIT = 5.0
 START_WAIT = 300.0
 # A connection must send its whole request this soon after it was accepted, or it is closed.
 HANDSHAKE_SECONDS = 10.0
-# Connections not yet authenticated held at once (one thread reads them all); a new one beyond
-# this closes the oldest, so idle connections cannot lock workers out or exhaust descriptors.
+# Connections not yet authenticated held at once (one thread reads them all; at most a quarter
+# of the process's descriptor limit); a new one beyond this closes the oldest, so idle
+# connections can neither lock workers out nor exhaust the launcher's descriptors.
 MAX_PENDING = 128
+# Connections the kernel completes before the driver accepts them (they hold no descriptor): a
+# burst of connections waits here instead of having its SYNs dropped (a second each).
+LISTEN_BACKLOG = 1024
 # Round forming that keeps failing (no free port, no descriptor) this long ends the job.
 ROUND_ERROR_LIMIT = 30.0
 # An exit code of a worker the driver ended because too few ranks remain.
@@ -97,7 +102,9 @@ class Driver:
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((bind_address, 0))
-        self._listener.listen(64)
+        self._listener.listen(LISTEN_BACKLOG)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_pending = MAX_PENDING if soft < 0 else min(MAX_PENDING, max(8, soft // 4))
         self._listener.setblocking(False)
         self.address = f"{bind_address}:{self._listener.getsockname()[1]}"
         self._selector = selectors.DefaultSelector()
@@ -307,8 +314,8 @@ class Driver:
                 self._paused_until = time.monotonic() + 0.1
                 self._report(f"accept: {exc.strerror}; listening again in 0.1 s")
                 return
-            if len(self._pending) >= MAX_PENDING:
-                self._refuse(next(iter(self._pending)), f"{MAX_PENDING} connections wait to "
+            if len(self._pending) >= self.max_pending:
+                self._refuse(next(iter(self._pending)), f"{self.max_pending} connections wait to "
                              "authenticate: the oldest is closed for a new one")
             nonce = secrets.token_hex(16)
             try:
@@ -349,8 +356,8 @@ class Driver:
             self._refuse(conn, str(exc))
             return
         self._forget(conn)
-        threading.Thread(target=self._serve, args=(conn, request), daemon=True,
-                         name="elastic-request").start()
+        threading.Thread(target=self._serve, args=(conn, request, bytes(pending.data[end + 1:])),
+                         daemon=True, name="elastic-request").start()
 
     def _forget(self, conn: socket.socket) -> None:
         """Stops watching `conn` as a pending connection (it stays open)."""
@@ -380,12 +387,14 @@ class Driver:
             _say(message + more)
             self._refusals, self._reported = 0, now
 
-    def _serve(self, conn: socket.socket, request: dict) -> None:
+    def _serve(self, conn: socket.socket, request: dict, after: bytes) -> None:
+        """Answers an authenticated request; `after`: what the worker sent after it (heartbeats
+        that came with the request)."""
         with conn:
             try:
                 conn.setblocking(True)
                 conn.settimeout(self.handshake_seconds)  # for sends; waits are bounded apart
-                answer = self._handle(request, conn)
+                answer = self._handle(request, conn, after)
                 if answer is not None:
                     elastic_wire.elastic_send(conn, self.secret, str(request.get("nonce", "")),
                                               answer)
@@ -393,7 +402,7 @@ class Driver:
                 if not self.finished:
                     _say(f"a request of worker {request.get('worker')!r} failed: {exc}")
 
-    def _handle(self, request: dict, conn: socket.socket) -> dict | None:
+    def _handle(self, request: dict, conn: socket.socket, after: bytes = b"") -> dict | None:
         name = str(request.get("worker"))
         op = request.get("op")
         with self._cv:
@@ -415,10 +424,12 @@ class Driver:
             return self._wait_for_round(worker, ticket, conn)
         if op == "heartbeat":
             conn.settimeout(None)
-            while conn.recv(64):
+            beats = after or conn.recv(64)
+            while beats:
                 with self._cv:
                     worker.last_beat = time.monotonic()
-                conn.sendall(b".")  # the worker knows the driver is there
+                conn.sendall(b"." * len(beats))  # one echo a beat: the driver is there
+                beats = conn.recv(64)
             return None
         raise ValueError(f"unknown request {op!r} from worker {name}")
 

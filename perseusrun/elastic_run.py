@@ -81,6 +81,8 @@ def discover(script: str) -> list[tuple[str, int]]:
                               timeout=DISCOVERY_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise ValueError(f"{script!r} ran longer than {DISCOVERY_TIMEOUT:g} s") from None
+    except OSError as exc:  # no descriptor or process to run it: try again at the next period
+        raise ValueError(f"{script!r} could not be started: {exc}") from None
     if proc.returncode != 0:
         raise ValueError(f"{script!r} exited with {proc.returncode}: {proc.stderr.strip()}")
     return parse_discovery(proc.stdout)

@@ -65,6 +65,24 @@ def _poll(address: str) -> float:
     return time.monotonic() - start
 
 
+def test_each_heartbeat_is_echoed_even_one_sent_with_the_request():
+    driver = _driver()
+    try:
+        with socket.create_connection(_endpoint(driver.address), timeout=ANSWER_SECONDS) as sock:
+            nonce = sock.makefile("r", encoding="utf-8").readline().strip()
+            body = json.dumps({"op": "heartbeat", "worker": "h/0", "nonce": ""}, sort_keys=True)
+            line = json.dumps({"body": body, "mac": elastic_wire.elastic_mac(SECRET, nonce, body)})
+            sock.sendall(line.encode() + b"\n.")  # the request and a beat in one segment
+            assert sock.recv(1) == b"."
+            sock.sendall(b"..")
+            echoed = b""
+            while len(echoed) < 2:
+                echoed += sock.recv(2 - len(echoed))
+            assert echoed == b".."
+    finally:
+        driver.stop()
+
+
 def test_a_client_sending_a_byte_at_a_time_is_closed_at_the_handshake_limit():
     driver = _driver(handshake_seconds=1.5)
     try:
