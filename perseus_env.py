@@ -81,7 +81,7 @@ SETTINGS: tuple[Setting, ...] = (
             "TCP: this process's rank", (LIBRARY,)),
     Setting(ADDRESSES_VARIABLE, "set by perseusrun --tcp", "host:port,host:port,...",
             "TCP: every rank's address, in rank order", (LIBRARY,)),
-    Setting("PERSEUS_SECRET_FILE", "unset", "a file path",
+    Setting("PERSEUS_SECRET_FILE", "unset", "a file path, readable by its owner only (0600)",
             "srun without MPI: a file holding the job secret, read when PERSEUS_SECRET is unset",
             (LIBRARY,)),
     Setting("PERSEUS_SLURM_PORT", "from the job and step id", "a port",
