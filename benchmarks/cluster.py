@@ -39,7 +39,6 @@ def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: flo
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = controller == "mpi"  # --tcp: MPI never starts
-    sys.path.insert(0, HERE)
     import allreduce as bench  # noqa: I001 (benchmarks/allreduce.py: the op's Session step)
     import numpy as np
 

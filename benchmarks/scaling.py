@@ -41,12 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import cluster_training  # benchmarks/: the directory of the script run, first on sys.path
+import scaling_model
 
-import cluster_training  # noqa: E402 (this directory is on sys.path only now)
-import scaling_model  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 WORKER = HERE / "scaling_worker.py"
 PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"

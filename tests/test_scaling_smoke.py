@@ -15,13 +15,11 @@ import subprocess
 import sys
 
 import pytest
+import scaling_model
+import scaling_projection
 from harness import ROOT, failure_summary, launch_env, needs_emulation
 
 BENCHMARKS = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import scaling_model  # noqa: E402 (benchmarks/ is on sys.path only now)
-import scaling_projection  # noqa: E402
 
 
 @pytest.mark.parametrize("model", [*scaling_model.MODELS, scaling_model.TINY])
