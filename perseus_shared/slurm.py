@@ -9,10 +9,13 @@ The launcher's Slurm backend (perseusrun/slurm_run.py) reads the job's host list
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import os
 import re
 import socket
+import stat
+import zlib
 from collections.abc import Mapping
 
 from perseus_env import (
@@ -25,9 +28,21 @@ from perseus_env import (
 )
 from perseus_shared.mpi import MPI_LAUNCHER_VARIABLES
 
+# A step's ports when neither srun --resv-ports nor PERSEUS_SLURM_PORT chooses them: a range
+# that a hash of the job and step id places between these, below Linux's ephemeral ports
+# (32768-60999), so that no connection's local port takes one. Each task reserves its port on
+# its node (reserve_ports): two steps whose ranges overlap on a node fail with an error instead
+# of failing to bind, or crossing, at init().
 SLURM_PORT_FIRST = 20000
-SLURM_PORT_BLOCKS = 640  # blocks of SLURM_PORT_BLOCK ports above SLURM_PORT_FIRST
-SLURM_PORT_BLOCK = 64  # the most tasks of one step on one node with a derived port
+SLURM_PORT_END = 32768
+SLURM_PORT_MOST_LOCAL = 64  # the most tasks of one step on one node with a derived port
+# SLURM_STEP_RESV_PORTS: the ports Slurm reserved for the step on every node of it
+# (srun --resv-ports, MpiParams=ports=... in slurm.conf); no other step gets them there.
+RESERVED_PORTS_VARIABLE = "SLURM_STEP_RESV_PORTS"
+# Host lists and tasks per node name at most this many nodes (Slurm's own limit is lower).
+MOST_NODES = 1 << 16
+# How long a task waits for every node name of the step to resolve.
+RESOLVE_SECONDS = 30.0
 _HOSTLIST_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 _TASKS_PER_NODE_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -45,8 +60,24 @@ def expand_hostlist(text: str) -> list[str]:
     names: list[str] = []
     for item in _split_outside_brackets(text.strip(), ","):
         if item:
+            if _count_names(item, text) + len(names) > MOST_NODES:
+                raise SlurmEnvironmentError(f"host list {text[:80]!r}: more than {MOST_NODES} "
+                                            "names")
             names += _expand_name(item, text)
     return names
+
+
+def _count_names(item: str, whole: str) -> int:
+    """How many names `item` expands to, without expanding it."""
+    count = 1
+    for ranges in re.findall(r"\[([^\]]*)\]", item):
+        numbers = 0
+        for part in ranges.split(","):
+            match = _HOSTLIST_RANGE.match(part.strip())
+            if match:
+                numbers += max(0, int(match.group(2) or match.group(1)) - int(match.group(1)) + 1)
+        count *= max(numbers, 1)
+    return count
 
 
 def _split_outside_brackets(text: str, separator: str) -> list[str]:
@@ -91,6 +122,9 @@ def expand_tasks_per_node(text: str) -> list[int]:
         match = _TASKS_PER_NODE_ITEM.match(item)
         if not match:
             raise SlurmEnvironmentError(f"tasks per node {text!r}: {item!r} is not N or N(xM)")
+        if len(counts) + int(match.group(2) or 1) > MOST_NODES:
+            raise SlurmEnvironmentError(f"tasks per node {text[:80]!r}: more than {MOST_NODES} "
+                                        "nodes")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
     return counts
 
@@ -137,21 +171,89 @@ def _int_variable(env: Mapping[str, str], name: str, where: str) -> int:
 
 
 def slurm_base_port(env: Mapping[str, str], most_local: int, where: str = "Slurm task") -> int:
-    """The first port of the step's ranks: PERSEUS_SLURM_PORT, else one the job and step ids
-    choose (every task computes the same; concurrent steps of a job get different ports)."""
+    """The first port of the step's ranks on every node (local task i: it + i): Slurm's
+    reservation for the step (SLURM_STEP_RESV_PORTS), else PERSEUS_SLURM_PORT, else one a hash
+    of the job and step id places in [SLURM_PORT_FIRST, SLURM_PORT_END). Every task computes
+    the same."""
+    reserved = (env.get(RESERVED_PORTS_VARIABLE) or "").strip()
+    if reserved:
+        first, _, last = reserved.split(",")[0].partition("-")
+        if not first.isdigit() or not (last or first).isdigit():
+            raise SlurmEnvironmentError(f"{where}: {RESERVED_PORTS_VARIABLE}={reserved!r}: "
+                                        "expected FIRST-LAST")
+        if int(last or first) - int(first) + 1 < most_local:
+            raise SlurmEnvironmentError(
+                f"{where}: {RESERVED_PORTS_VARIABLE}={reserved!r} reserves fewer ports than the "
+                f"{most_local} tasks of a node: srun --resv-ports={most_local}")
+        return int(first)
     text = (read(SLURM_PORT_VARIABLE, env) or "").strip()
     if text:
         if not text.isdigit() or not 0 < int(text) <= 65535 - most_local:
             raise SlurmEnvironmentError(f"{where}: {SLURM_PORT_VARIABLE}={text!r}: expected a "
                                         f"port such that it + {most_local - 1} is at most 65535")
         return int(text)
-    if most_local > SLURM_PORT_BLOCK:
+    if most_local > SLURM_PORT_MOST_LOCAL:
         raise SlurmEnvironmentError(
-            f"{where}: {most_local} tasks on one node exceed the {SLURM_PORT_BLOCK} ports a step "
-            f"gets by default; set {SLURM_PORT_VARIABLE} to a free port range's first port")
+            f"{where}: {most_local} tasks on one node exceed the {SLURM_PORT_MOST_LOCAL} ports a "
+            f"step gets by default; run srun --resv-ports, or set {SLURM_PORT_VARIABLE} to a "
+            "free port range's first port")
     job = _int_variable(env, "SLURM_JOB_ID", where)
     step = _int_variable(env, "SLURM_STEP_ID", where)
-    return SLURM_PORT_FIRST + ((job * 8 + step) % SLURM_PORT_BLOCKS) * SLURM_PORT_BLOCK
+    choices = SLURM_PORT_END - SLURM_PORT_FIRST - most_local + 1
+    return SLURM_PORT_FIRST + zlib.crc32(f"{job}.{step}".encode()) % choices
+
+
+# The reservations of this process's ports (reserve_ports), held until it exits.
+_RESERVED: dict[int, socket.socket] = {}
+
+
+def reserve_ports(ports: list[int], where: str, what: str) -> None:
+    """Reserves `ports` on this node for this process's lifetime: an abstract Unix socket per
+    port, which the kernel frees when the process ends (no file to clean up) and which every
+    process of the node's network namespace sees. SlurmEnvironmentError when another process
+    (another step's task) holds one."""
+    for port in ports:
+        if port in _RESERVED:
+            continue
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(f"\0perseus_legacy-port-{port}")
+        except OSError as exc:
+            sock.close()
+            raise SlurmEnvironmentError(
+                f"{where}: port {port} ({what}) is already taken on this node by another "
+                f"perseus_legacy step ({exc.strerror}): run srun --resv-ports (Slurm reserves "
+                f"each step's ports), or give the steps other {SLURM_PORT_VARIABLE}s") from None
+        _RESERVED[port] = sock
+
+
+def read_secret_file(path: str, where: str) -> str:
+    """The job secret in `path` (PERSEUS_SECRET_FILE); SlurmEnvironmentError naming the file
+    when it cannot be read or other users could read or change it."""
+    try:
+        with open(path) as f:
+            mode = stat.S_IMODE(os.fstat(f.fileno()).st_mode)
+            if mode & 0o077:
+                raise SlurmEnvironmentError(
+                    f"{where}: {SECRET_FILE_VARIABLE}={path!r} has mode {mode:04o}: the job "
+                    "secret must be readable by its owner only (whoever reads it can join the "
+                    f"job as a rank and send it data to unpickle); chmod 600 {path}")
+            return f.read().strip()
+    except OSError as exc:
+        directory = os.path.dirname(os.path.abspath(path))
+        shared = "" if os.path.isdir(directory) else (
+            f"; its directory {directory} does not exist on this node: the secret's directory "
+            "must be shared by every node of the job")
+        raise SlurmEnvironmentError(f"{where}: cannot read {SECRET_FILE_VARIABLE}={path!r}: "
+                                    f"{exc.strerror}{shared}") from None
+
+
+def check_secret_file(env: Mapping[str, str], where: str) -> None:
+    """SlurmEnvironmentError when PERSEUS_SECRET_FILE is set in `env` and read_secret_file()
+    refuses it (the launcher checks it before it starts anything)."""
+    path = (read(SECRET_FILE_VARIABLE, env) or "").strip()
+    if path:
+        read_secret_file(path, where)
 
 
 def _slurm_secret(env: Mapping[str, str], where: str) -> str:
@@ -163,41 +265,52 @@ def _slurm_secret(env: Mapping[str, str], where: str) -> str:
             f"{where}: a Slurm step without MPI needs the job secret that every task shares: "
             f"export {SECRET_VARIABLE} before srun (srun forwards it), or set "
             f"{SECRET_FILE_VARIABLE} to a file in a directory all nodes share")
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as exc:
-        directory = os.path.dirname(os.path.abspath(path))
-        shared = "" if os.path.isdir(directory) else (
-            f"; its directory {directory} does not exist on this node: the secret's directory "
-            "must be shared by every node of the job")
-        raise SlurmEnvironmentError(f"{where}: cannot read {SECRET_FILE_VARIABLE}={path!r}: "
-                                    f"{exc.strerror}{shared}") from None
+    return read_secret_file(path, where)
 
 
 def _check_resolves(names: list[str], where: str) -> None:
-    for name in names:
-        try:
-            socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        except OSError as exc:
+    """Every distinct name resolves, looked up a few at a time, all within RESOLVE_SECONDS."""
+    distinct = list(dict.fromkeys(names))
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, len(distinct)))
+    try:
+        lookups = {pool.submit(socket.getaddrinfo, name, None, type=socket.SOCK_STREAM): name
+                   for name in distinct}
+        done, late = concurrent.futures.wait(lookups, timeout=RESOLVE_SECONDS)
+        for lookup in sorted(done, key=lambda f: distinct.index(lookups[f])):
+            if lookup.exception() is not None:
+                raise SlurmEnvironmentError(
+                    f"{where}: node {lookups[lookup]!r} of SLURM_STEP_NODELIST does not resolve "
+                    f"({lookup.exception()}): the ranks reach each other by node name")
+        if late:
+            slow = sorted(lookups[f] for f in late)
             raise SlurmEnvironmentError(
-                f"{where}: node {name!r} of SLURM_STEP_NODELIST does not resolve ({exc}): the "
-                "ranks reach each other by node name") from None
+                f"{where}: {len(slow)} node name(s) of SLURM_STEP_NODELIST did not resolve "
+                f"within {RESOLVE_SECONDS:g} s (first: {slow[0]!r})")
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
-def slurm_tcp_settings(env: Mapping[str, str]) -> dict[str, str]:
+def slurm_tcp_settings(env: Mapping[str, str], reserve: bool = True) -> dict[str, str]:
     """The PERSEUS_* settings of `perseusrun --tcp` that a Slurm step's variables imply for this
     task (PERSEUS_CONTROLLER, PERSEUS_TCP_RANK, PERSEUS_TCP_ADDRESSES, PERSEUS_SECRET); empty
-    unless is_slurm_step_without_mpi(env). SlurmEnvironmentError names a bad allocation."""
+    unless is_slurm_step_without_mpi(env). SlurmEnvironmentError names a bad allocation, or a
+    port of this task that another step holds on this node (`reserve`: this process then holds
+    its port until it exits)."""
     if not is_slurm_step_without_mpi(env):
         return {}
-    return dict(_slurm_tcp_settings(*(env.get(name, "") for name in _SLURM_INPUTS)))
+    settings = dict(_slurm_tcp_settings(*(env.get(name, "") for name in _SLURM_INPUTS)))
+    if reserve:
+        rank = int(settings[RANK_VARIABLE])
+        port = int(settings[ADDRESSES_VARIABLE].split(",")[rank].rsplit(":", 1)[1])
+        reserve_ports([port], f"Slurm task {rank} (job {env.get('SLURM_JOB_ID', '?')})",
+                      f"rank {rank} of step {env.get('SLURM_STEP_ID')}")
+    return settings
 
 
 _SLURM_INPUTS = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_LOCALID",
                  "SLURM_NODEID", "SLURM_STEP_NODELIST", "SLURM_STEP_TASKS_PER_NODE",
                  "SLURM_DISTRIBUTION", "SLURM_JOB_ID", "SLURM_STEP_ID", SLURM_PORT_VARIABLE,
-                 SECRET_VARIABLE, SECRET_FILE_VARIABLE)
+                 SECRET_VARIABLE, SECRET_FILE_VARIABLE, RESERVED_PORTS_VARIABLE)
 
 
 @functools.lru_cache(maxsize=8)
@@ -221,7 +334,8 @@ def _slurm_tcp_settings(*values: str) -> tuple[tuple[str, str], ...]:
     placement = slurm_placement(counts, env.get("SLURM_DISTRIBUTION", "block"))
     node, local = placement[rank]
     seen = (env.get("SLURM_NODEID"), env.get("SLURM_LOCALID"))
-    if None not in seen and (int(seen[0]), int(seen[1])) != (node, local):
+    if None not in seen and (_int_variable(env, "SLURM_NODEID", where),
+                             _int_variable(env, "SLURM_LOCALID", where)) != (node, local):
         raise SlurmEnvironmentError(
             f"{where}: SLURM_NODEID={seen[0]} SLURM_LOCALID={seen[1]}, but the "
             f"{env.get('SLURM_DISTRIBUTION', 'block')} distribution of "

@@ -24,6 +24,7 @@ from types import ModuleType
 
 import perseus_env
 from perseus_env import LEGACY_KERAS_SET_HERE
+from perseus_shared import slurm
 from perseusrun import elastic_run, emulated_run, mpi_run, slurm_run, tcp_run
 from perseusrun.job import UsageError
 
@@ -163,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     # faulting fresh pages in for every large tensor (a set value is kept).
     env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     try:
+        slurm.check_secret_file(env, "perseusrun")
         run = choose_backend(args, env).prepare(args, env)
-    except UsageError as exc:
+    except (UsageError, slurm.SlurmEnvironmentError) as exc:
         print(f"perseusrun: error: {exc}", file=sys.stderr)
         return 2
     return run()
