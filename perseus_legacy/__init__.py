@@ -108,6 +108,7 @@ from perseus_legacy.tf1.hooks import (
     broadcast_variables,
 )
 from perseus_legacy.tf1.optimizer import DistributedOptimizer, SyncReplicasOptimizer
+from perseus_legacy.tf1.per_rank import PerRankUpdateError, per_rank_update
 from perseus_legacy.tf1.preemption import PreemptionHook
 
 # The public API (tests/test_public_api.py checks it against docs/). SyncBatchNormalization is a
@@ -115,7 +116,8 @@ from perseus_legacy.tf1.preemption import PreemptionHook
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
     "DistributedOptimizer", "GraphRewriteError", "Max", "Min", "NotInitializedError",
-    "PartialDistributedGradientTape", "PreemptionHook", "ProcessSet", "Product", "Sum",
+    "PartialDistributedGradientTape", "PerRankUpdateError", "PreemptionHook", "ProcessSet",
+    "Product", "Sum",
     "SyncBatchNormalization", "SyncReplicasHook", "SyncReplicasOptimizer", "__version__",
     "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
@@ -126,7 +128,8 @@ __all__ = [
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "is_chief",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
     "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
+    "per_rank_update", "process_set_included_op", "rank", "rank_op", "reducescatter",
+    "remove_process_set",
     "rocm_built", "run_config", "runtime_stats", "scale_learning_rate", "scale_steps",
     "session_config", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]
