@@ -48,6 +48,9 @@
 
 namespace {
 
+volatile sig_atomic_t report_asked = 0;
+void ask_report(int) { report_asked = 1; }
+
 // The kernel's struct virtio_net_hdr (linux/virtio_net.h does not compile as C++).
 struct VnetHeader {
   uint8_t flags, gso_type;
@@ -57,7 +60,7 @@ static_assert(sizeof(VnetHeader) == 10, "the vnet header is 10 bytes");
 constexpr uint8_t kNeedsChecksum = 1;  // VIRTIO_NET_HDR_F_NEEDS_CSUM
 constexpr uint8_t kNoSegmentation = 0;  // VIRTIO_NET_HDR_GSO_NONE
 constexpr size_t kVnetHeader = sizeof(VnetHeader);
-constexpr size_t kMaxFrame = 65536 + 128;
+constexpr size_t kMaxFrame = 65536 + 1024;  // a 64 KB TSO segment, its headers
 constexpr int kReadBurst = 64;  // frames read from one TAP before the others get their turn
 
 using Frame = std::vector<uint8_t>;
@@ -139,10 +142,14 @@ int64_t wire_bytes(const Frame& frame) {
 struct Serialiser {
   int64_t free_at = 0;  // when the frames accepted so far have used the tokens up
   // When a frame of `bytes` offered at `t` has left; -1 when the queue is full (dropped).
+  uint64_t dropped = 0;
   int64_t pass(int64_t t, int64_t bytes, const Options& options) {
     if (options.rate <= 0) return t;
     auto seconds = [&](double b) { return int64_t(b * 1e9 / options.rate); };
-    if (free_at - t > seconds(double(options.queue_bytes))) return -1;
+    if (free_at - t > seconds(double(options.queue_bytes))) {
+      ++dropped;
+      return -1;
+    }
     free_at = std::max(free_at, t - seconds(double(options.burst_bytes))) +
               seconds(double(bytes));
     return std::max(free_at, t);
@@ -183,13 +190,17 @@ class Switch {
         timeout = &wait;
       }
       if (ppoll(fds.data(), fds.size(), timeout, nullptr) < 0) {
-        if (errno == EINTR) continue;
-        fail("ppoll");
+        if (errno != EINTR) fail("ppoll");
+        if (report_asked) report();
+        continue;
       }
       if (fds[0].revents) {
         char byte;
         ssize_t n = read(STDIN_FILENO, &byte, 1);
-        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) return;
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          report();
+          return;
+        }
       }
       for (size_t i = 0; i < taps_.size(); ++i) {
         if (fds[i + 1].revents & POLLIN) receive(i);
@@ -198,6 +209,19 @@ class Switch {
   }
 
  private:
+  // SIGUSR1: what became of the frames so far, on standard error.
+  void report() {
+    report_asked = 0;
+    uint64_t up = 0, down = 0;
+    for (const auto& link : uplinks_) up += link.dropped;
+    for (const auto& link : downlinks_) down += link.dropped;
+    std::fprintf(stderr,
+                 "link_emulator: %llu frames read, %llu lost at random, %llu dropped by full "
+                 "uplink queues, %llu by full downlink queues, %llu refused by a TAP\n",
+                 (unsigned long long)read_, (unsigned long long)lost_, (unsigned long long)up,
+                 (unsigned long long)down, (unsigned long long)refused_);
+  }
+
   void push(Event event) {
     event.order = order_++;
     events_.push_back(std::move(event));
@@ -220,15 +244,18 @@ class Switch {
   // Frames that left host `port`, through its uplink.
   void receive(size_t port) {
     for (int k = 0; k < kReadBurst; ++k) {
-      auto frame = std::make_shared<Frame>(kMaxFrame);
-      ssize_t n = read(taps_[port].get(), frame->data(), frame->size());
+      ssize_t n = read(taps_[port].get(), buffer_.data(), buffer_.size());
       if (n < 0) {
         if (errno == EAGAIN || errno == EINTR) return;
         fail("read from a TAP");
       }
       if (size_t(n) < kVnetHeader + 14) continue;
-      frame->resize(size_t(n));
-      if (options_.loss > 0 && uniform_(random_) < options_.loss) continue;
+      ++read_;
+      if (options_.loss > 0 && uniform_(random_) < options_.loss) {
+        ++lost_;
+        continue;
+      }
+      auto frame = std::make_shared<Frame>(buffer_.begin(), buffer_.begin() + n);
       int64_t now = now_ns();
       int64_t bytes = wire_bytes(*frame);
       int64_t left = shaped_[port] ? uplinks_[port].pass(now, bytes, options_) : now;
@@ -280,9 +307,10 @@ class Switch {
   std::vector<bool> shaped_;
   std::vector<Serialiser> uplinks_, downlinks_;
   std::vector<int64_t> last_arrival_;
+  Frame buffer_ = Frame(kMaxFrame);  // what a read from a TAP lands in first
   std::vector<Event> events_;  // a min-heap on (at, order)
   uint64_t order_ = 0;
-  uint64_t refused_ = 0;
+  uint64_t read_ = 0, lost_ = 0, refused_ = 0;
   std::map<Mac, size_t> ports_;
   std::mt19937_64 random_;
   std::uniform_real_distribution<double> uniform_{0.0, 1.0};
@@ -332,6 +360,15 @@ int main(int argc, char** argv) {
     if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0) fail("PR_SET_PDEATHSIG");
     if (getppid() != parent) return 1;  // the launcher died before the line above
     prctl(PR_SET_TIMERSLACK, 1000UL);  // wake-ups within a microsecond of a frame's time
+    // The frames' timing must not wait for the ranks' turns on the cores: the lowest real-time
+    // priority, as the kernel's own forwarding of a veth runs before any process (it sleeps
+    // between frames, and the kernel caps real-time tasks at 95% of a core anyway).
+    sched_param priority{};
+    priority.sched_priority = 1;
+    sched_setscheduler(0, SCHED_FIFO, &priority);  // without the right: the default policy
+    struct sigaction action {};
+    action.sa_handler = ask_report;  // no SA_RESTART: ppoll returns EINTR
+    sigaction(SIGUSR1, &action, nullptr);
     Options options = parse(argc, argv);
     bool offload = options.loss <= 0;
     Fd home(open("/proc/self/ns/net", O_RDONLY | O_CLOEXEC));
