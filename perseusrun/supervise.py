@@ -90,6 +90,20 @@ def lost_rank_in(text: str) -> int | None:
     return lost
 
 
+class Losses(set):
+    """The ranks a run lost, and `saved`: (global step, checkpoint) a survivor saved whole after
+    the loss (perseus_shared.lost_rank.saved_step_in), or None."""
+
+    saved: tuple[int, str] | None = None
+
+    def read(self, text: str) -> None:
+        """Adds what a line of the job's output says: a lost rank, the step saved."""
+        lost = lost_rank_in(text)
+        if lost is not None:
+            self.add(lost)
+            self.saved = lost_rank.saved_step_in(text) or self.saved
+
+
 def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
                    lost: set | None, reported: threading.Event) -> None:
     # Whole lines only: ranks writing to one shared stdout would interleave within a line (an
@@ -99,7 +113,10 @@ def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
         if ABORT_LINE in text:
             aborted.set()
         if lost is not None and lost_rank_in(text) is not None:
-            lost.add(lost_rank_in(text))
+            if isinstance(lost, Losses):
+                lost.read(text)
+            else:
+                lost.add(lost_rank_in(text))
             reported.set()
         out.write(prefix + text)
         out.flush()

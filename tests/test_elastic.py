@@ -14,16 +14,14 @@ import socket
 import sys
 from pathlib import Path
 
+import faults_elastic
 import numpy as np
 import pytest
-from harness import ROOT, WORKERS, launch_env, namespaces_of, needs_emulation
+from harness import WORKERS, launch_env, namespaces_of, needs_emulation
 
 from perseus_shared import elastic_wire
 from perseusrun import elastic_run, launch
 from perseusrun.elastic_driver import Driver, Worker
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import faults_elastic  # noqa: E402 (benchmarks/ is on sys.path only now)
 
 # The stall limit is also how long a silent (frozen, cut off) peer is waited for on TCP.
 STALL_SECONDS = 4

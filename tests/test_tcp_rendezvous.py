@@ -266,6 +266,30 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
     assert drops and int(drops.group(1)) > 100, everything
 
 
+def test_64_ranks_behind_a_resolver_that_answers_in_1_s_form_well_within_the_start_timeout():
+    """64 ranks on 127.0.0.1 whose every name lookup answers 1 s late
+    (PERSEUS_DEBUG_RESOLVE_SECS=1), with a 50 s start timeout. Each process looks each distinct
+    name up once, the accept loop all of them at once: before, rank 0 looked up each higher
+    rank's name in turn (63 s) and every rank looked up each rank it dialed (up to 64 s)."""
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(64)]
+    ranks = []
+    try:
+        for rank in range(64):
+            env = {**rank_env(rank, addresses, start_timeout=50),
+                   "PERSEUS_DEBUG_RESOLVE_SECS": "1"}
+            ranks.append(subprocess.Popen(
+                [sys.executable, str(WORKERS / CORE_TASK), "init"], cwd=ROOT, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        start = time.monotonic()
+        results = finish(ranks, TIMEOUT)
+        print(f"64 ranks formed in {time.monotonic() - start:.1f} s behind a 1 s resolver")
+    finally:
+        end_processes(ranks)
+    everything = "\n".join(out for _, out in results)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"[rank {rank}] INIT OK" in out, everything
+
+
 def test_a_strangers_failed_claim_is_logged_but_never_the_jobs_failure():
     """Rank 1 (127.0.0.2) never starts; a stranger from 127.0.0.1 claims to be rank 1 with
     another secret. Rank 0 logs the refusal, and its start-up failure names rank 1 as never
