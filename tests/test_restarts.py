@@ -27,7 +27,7 @@ from harness import (
     worker_module,
 )
 
-from perseusrun import launch
+from perseusrun import launch, supervise
 
 ESTIMATOR_WORKER = ROOT / "tests" / "workers" / "restart_estimator.py"
 MONITORED_WORKER = ROOT / "tests" / "workers" / "restart_monitored.py"
@@ -117,7 +117,7 @@ def test_monitored_session_survivor_saves_the_last_step_and_too_few_ranks_left_i
     code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2", "--restarts", "1"],
                                [MONITORED_WORKER, model_dir], {"TMPDIR": str(tmp_path)},
                                timeout=TIMEOUT)
-    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    assert code not in (0, supervise.TIMEOUT_EXIT_CODE), out
     fault = worker.FAULT_STEP
     assert (f"perseus_legacy[rank 0]: rank 1 was lost; saved global step {fault}: "
             f"{model_dir}/model.ckpt-{fault}") in out, out
@@ -141,7 +141,7 @@ def test_a_forged_frame_fails_the_job_without_dropping_the_innocent_host(tmp_pat
         ["--tcp", "--emulate-hosts", "2", "--restarts", "1", "--min-np", "1"],
         [MONITORED_WORKER, tmp_path / "model", "forge"], {"TMPDIR": str(tmp_path)},
         timeout=TIMEOUT)
-    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    assert code not in (0, supervise.TIMEOUT_EXIT_CODE), out
     assert "[rank 1] FORGED a frame after step 5" in out, out
     assert re.search(r"rank 1 \(\S+\) sent control frame \d+ with a MAC that does not match",
                      out), out

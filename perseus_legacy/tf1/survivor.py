@@ -18,7 +18,7 @@ whenever the survivors notice the loss within AGREEMENT_SECS of one another (the
 to notice shuts its connections, which the others see at once). Whatever the timing, only one
 survivor saves, and every survivor's line names it. The saver writes a whole checkpoint of its
 variables with the graph's own Saver (the `checkpoint` file names it only once it is complete)
-and removes the claim. Every survivor prints one line (perseus_env.lost_rank_line: the lost rank
+and removes the claim. Every survivor prints one line (perseus_shared/lost_rank.py: the lost rank
 it saw, which step was saved, by which rank and where) and the error goes on as before: the rank
 exits. `perseusrun --restarts` takes the union of the lost ranks those lines name, says from
 which step the job resumes, and a rerun, or a TF_CONFIG task restarted by its scheduler,
@@ -51,8 +51,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-import perseus_env
 from perseus_legacy.common import basics, failure, native
+from perseus_shared.lost_rank import lost_rank_line
 
 # What the runtime says of a lost peer, and only of one: a frame that fails its MAC names the
 # peer too ("rank P (address) sent control frame ...") but loses nobody.
@@ -218,7 +218,7 @@ def _report(session: Any, run: Any, lost: int) -> None:
         saved = _save_once(session, run, directory, rank, lost)
     except Exception as exc:  # the original error goes on; say why nothing was saved
         saved = f"saving the last completed step in {directory} failed: {exc}"
-    print(perseus_env.lost_rank_line(rank, lost, saved), flush=True)
+    print(lost_rank_line(rank, lost, saved), flush=True)
 
 
 def _save_once(session: Any, run: Any, directory: str | None, rank: int, lost: int) -> str:
