@@ -130,16 +130,28 @@ def _declared(graph: tf.Graph) -> tuple[set, set]:
     """(names of declared ops, names of declared variables' ops)."""
     ops, variables = set(), set()
     for item in graph.get_collection(PER_RANK_COLLECTION):
-        if isinstance(item, tf.Operation):
-            ops.add(item.name)
-        elif isinstance(item, tf.Tensor):
-            ops.add(item.op.name)
-            var_op = _variable_op(item)
-            if var_op is not None:
+        if isinstance(item, (tf.Operation, tf.Tensor)):
+            op = item if isinstance(item, tf.Operation) else item.op
+            var_op = _variable_op(item) if isinstance(item, tf.Tensor) else None
+            if var_op is not None:  # a ref variable's tensor
                 variables.add(var_op.name)
-        else:
+            ops.update(_updates_behind(op))
+        elif item.op.type in ("VariableV2", "Variable", "VarHandleOp"):
             variables.add(item.op.name)
+        else:  # what a resource variable's assign returns: its op is the assign
+            ops.update(_updates_behind(item.op))
     return ops, variables
+
+
+def _updates_behind(op: tf.Operation, depth: int = 3) -> set:
+    """`op`, and the updates it stands for: a resource variable's assign returns a read that
+    depends on the assign op, tf.group a NoOp that depends on its members."""
+    names = {op.name}
+    if depth and op.type in ("ReadVariableOp", "NoOp", "Identity"):
+        for before in op.control_inputs + ([i.op for i in op.inputs] if op.type == "Identity"
+                                           else []):
+            names |= _updates_behind(before, depth - 1)
+    return names
 
 
 def _function_defs(graph: tf.Graph, op: tf.Operation) -> list:
@@ -282,7 +294,7 @@ class _Walk:
                     if not any(consumer.inputs[i] is out for i in wanted
                                if i < len(consumer.inputs)):
                         continue
-                elif self._writes(consumer) and consumer.inputs[0] is out:
+                elif self._writes(consumer) and _variable_op(out) is not None:
                     continue  # writing into a per-rank variable does not make a value per rank
                 self._reach(consumer, op, queue)
         if op.type == "Identity" and op.inputs and op.inputs[0].op.type in ("Switch",
