@@ -31,11 +31,17 @@ def test_update_outside_the_optimizer_is_refused_or_matches_one_process(output, 
 
 # ---- the classification of graph ops, in-process (no ranks; the launch above is the evidence) ----
 
-def _graph_case(build) -> list:
+def _graph_case(build, control_flow_v1: bool = False) -> list:
     """(op name, variable name) of every update `build()` adds that the check refuses."""
     graph = tf.Graph()
-    with graph.as_default():
-        build()
+    if control_flow_v1:
+        tf.compat.v1.disable_control_flow_v2()
+    try:
+        with graph.as_default():
+            build()
+    finally:
+        if control_flow_v1:
+            tf.compat.v1.enable_control_flow_v2()
     return [(op.name, var.name) for op, var, _ in find_per_rank_updates(graph)]
 
 
@@ -151,3 +157,9 @@ GRAPH_CASES = {
 def test_graph_update_classification(case):
     build, refused = GRAPH_CASES[case]
     assert _graph_case(build) == refused
+
+
+@pytest.mark.parametrize("build", [_cond_on_data, _while_on_data])
+def test_update_inside_tf1_control_flow_on_data_is_refused(build):
+    refused = _graph_case(build, control_flow_v1=True)
+    assert [var for _, var in refused] == ["v"], refused

@@ -56,6 +56,10 @@ _EQUALIZERS = frozenset({"PerseusAllreduce", "PerseusGroupedAllreduce", "Perseus
                          "PerseusBroadcast", "RestoreV2", "Restore", "RestoreSlice"})
 _WRITE = re.compile(r"^(Resource)?((Sparse)?Apply|Scatter)|^Assign|StridedSliceAssign$")
 _APPLY = re.compile(r"^(Resource)?(Sparse)?Apply")
+# Ops a variable's ref or handle passes through (TF1 control flow: Switch into a cond branch,
+# Enter into a loop).
+_HANDLE_PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Enter", "RefEnter", "Switch",
+                                  "RefSwitch"})
 _CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
                     "PartitionedCall", "StatefulPartitionedCall"})
 _BATCH_NORM_STATISTICS = frozenset({"moving_mean", "moving_variance", "renorm_mean",
@@ -119,7 +123,7 @@ def per_rank_update(update: Any) -> Any:
 def _variable_op(tensor: tf.Tensor, depth: int = 8) -> tf.Operation | None:
     """The VariableV2 / VarHandleOp that `tensor` (a ref or a resource handle) names."""
     op = tensor.op
-    while depth and op.type in ("Identity", "RefIdentity", "Enter", "RefEnter") and op.inputs:
+    while depth and op.type in _HANDLE_PASS_THROUGH and op.inputs:
         op, depth = op.inputs[0].op, depth - 1
     if op.type in ("VariableV2", "Variable", "VarHandleOp"):
         return op
@@ -206,7 +210,7 @@ class _Walk:
                     self.initializers.add(initializer.name)
         self.declared_ops, self.declared_vars = _declared(graph)
         self.parent: dict = {}  # per-rank op name -> the op it got it from (None: a source)
-        self.refused: list = []  # (write op, variable op, source op)
+        self.refused: list = []  # (write op, variable op)
         self.per_rank_vars: set = set()
         self.var_readers: dict = {}  # variable op name -> ops reading it
         self._written: dict = {}  # op name -> the variable ops it writes
