@@ -134,7 +134,19 @@ def _sparse_gathered():
     table.scatter_add(tf.IndexedSlices(values, rows))
 
 
+def _keras_model_in_graph():
+    model = tf.keras.Sequential([tf.keras.layers.Dense(4), tf.keras.layers.BatchNormalization(),
+                                 tf.keras.layers.Dense(1)])
+    loss = tf.reduce_mean(model(_data(), training=True))
+    optimizer = tf.keras.optimizers.legacy.Adam(0.1)
+    grads = optimizer.get_gradients(loss, model.trainable_variables)
+    with tf.control_dependencies(model.updates):
+        optimizer.apply_gradients([(_allreduce(g, f"g{i}"), v) for i, (g, v)
+                                   in enumerate(zip(grads, model.trainable_variables))])
+
+
 GRAPH_CASES = {
+    "keras_model_optimizer_and_batch_norm_in_a_graph": (_keras_model_in_graph, []),
     "assign_from_data": (_refused_from_data, [("from_data", "v")]),
     "assign_from_allreduce": (_reduced_value, []),
     "assign_from_a_local_variable_written_from_data": (_through_local_variable,
