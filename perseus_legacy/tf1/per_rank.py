@@ -339,9 +339,10 @@ def check_updates(graph: tf.Graph, rank: int, size: int) -> None:
     if len(refused) > 10:
         lines.append(f"  - and {len(refused) - 10} more")
     canned = _canned([var_op.name for _, var_op, _ in refused] + [op.name for op, _, _ in refused])
-    head = (f"perseus_legacy (rank {rank} of {size}): this training graph updates model state "
-            f"from each rank's own data, so every rank would train its own model instead of one "
-            f"model on the global batch:\n" + "\n".join(lines) + "\n")
+    head = (f"perseus_legacy (rank {rank} of {size}): this training graph makes per-rank "
+            f"updates of model state, computed from each rank's own data: every rank would train "
+            f"its own model instead of one model on the global batch:\n" + "\n".join(lines)
+            + "\n")
     if canned is not None:
         estimator, advice = canned
         head += f"These are the updates of {estimator}. {advice}.\n"
