@@ -56,6 +56,10 @@ _EQUALIZERS = frozenset({"PerseusAllreduce", "PerseusGroupedAllreduce", "Perseus
                          "PerseusBroadcast", "RestoreV2", "Restore", "RestoreSlice"})
 _WRITE = re.compile(r"^(Resource)?((Sparse)?Apply|Scatter)|^Assign|StridedSliceAssign$")
 _APPLY = re.compile(r"^(Resource)?(Sparse)?Apply")
+# Ops a variable's ref or handle passes through (TF1 control flow: Switch into a cond branch,
+# Enter into a loop).
+_HANDLE_PASS_THROUGH = frozenset({"Identity", "RefIdentity", "Enter", "RefEnter", "Switch",
+                                  "RefSwitch"})
 _CALLS = frozenset({"If", "StatelessIf", "While", "StatelessWhile", "Case", "StatelessCase",
                     "PartitionedCall", "StatefulPartitionedCall"})
 _BATCH_NORM_STATISTICS = frozenset({"moving_mean", "moving_variance", "renorm_mean",
@@ -119,7 +123,7 @@ def per_rank_update(update: Any) -> Any:
 def _variable_op(tensor: tf.Tensor, depth: int = 8) -> tf.Operation | None:
     """The VariableV2 / VarHandleOp that `tensor` (a ref or a resource handle) names."""
     op = tensor.op
-    while depth and op.type in ("Identity", "RefIdentity", "Enter", "RefEnter") and op.inputs:
+    while depth and op.type in _HANDLE_PASS_THROUGH and op.inputs:
         op, depth = op.inputs[0].op, depth - 1
     if op.type in ("VariableV2", "Variable", "VarHandleOp"):
         return op
@@ -130,16 +134,28 @@ def _declared(graph: tf.Graph) -> tuple[set, set]:
     """(names of declared ops, names of declared variables' ops)."""
     ops, variables = set(), set()
     for item in graph.get_collection(PER_RANK_COLLECTION):
-        if isinstance(item, tf.Operation):
-            ops.add(item.name)
-        elif isinstance(item, tf.Tensor):
-            ops.add(item.op.name)
-            var_op = _variable_op(item)
-            if var_op is not None:
+        if isinstance(item, (tf.Operation, tf.Tensor)):
+            op = item if isinstance(item, tf.Operation) else item.op
+            var_op = _variable_op(item) if isinstance(item, tf.Tensor) else None
+            if var_op is not None:  # a ref variable's tensor
                 variables.add(var_op.name)
-        else:
+            ops.update(_updates_behind(op))
+        elif item.op.type in ("VariableV2", "Variable", "VarHandleOp"):
             variables.add(item.op.name)
+        else:  # what a resource variable's assign returns: its op is the assign
+            ops.update(_updates_behind(item.op))
     return ops, variables
+
+
+def _updates_behind(op: tf.Operation, depth: int = 3) -> set:
+    """`op`, and the updates it stands for: a resource variable's assign returns a read that
+    depends on the assign op, tf.group a NoOp that depends on its members."""
+    names = {op.name}
+    if depth and op.type in ("ReadVariableOp", "NoOp", "Identity"):
+        for before in op.control_inputs + ([i.op for i in op.inputs] if op.type == "Identity"
+                                           else []):
+            names |= _updates_behind(before, depth - 1)
+    return names
 
 
 def _function_defs(graph: tf.Graph, op: tf.Operation) -> list:
@@ -194,7 +210,7 @@ class _Walk:
                     self.initializers.add(initializer.name)
         self.declared_ops, self.declared_vars = _declared(graph)
         self.parent: dict = {}  # per-rank op name -> the op it got it from (None: a source)
-        self.refused: list = []  # (write op, variable op, source op)
+        self.refused: list = []  # (write op, variable op)
         self.per_rank_vars: set = set()
         self.var_readers: dict = {}  # variable op name -> ops reading it
         self._written: dict = {}  # op name -> the variable ops it writes
@@ -282,7 +298,7 @@ class _Walk:
                     if not any(consumer.inputs[i] is out for i in wanted
                                if i < len(consumer.inputs)):
                         continue
-                elif self._writes(consumer) and consumer.inputs[0] is out:
+                elif self._writes(consumer) and _variable_op(out) is not None:
                     continue  # writing into a per-rank variable does not make a value per rank
                 self._reach(consumer, op, queue)
         if op.type == "Identity" and op.inputs and op.inputs[0].op.type in ("Switch",
@@ -323,9 +339,10 @@ def check_updates(graph: tf.Graph, rank: int, size: int) -> None:
     if len(refused) > 10:
         lines.append(f"  - and {len(refused) - 10} more")
     canned = _canned([var_op.name for _, var_op, _ in refused] + [op.name for op, _, _ in refused])
-    head = (f"perseus_legacy (rank {rank} of {size}): this training graph updates model state "
-            f"from each rank's own data, so every rank would train its own model instead of one "
-            f"model on the global batch:\n" + "\n".join(lines) + "\n")
+    head = (f"perseus_legacy (rank {rank} of {size}): this training graph makes per-rank "
+            f"updates of model state, computed from each rank's own data: every rank would train "
+            f"its own model instead of one model on the global batch:\n" + "\n".join(lines)
+            + "\n")
     if canned is not None:
         estimator, advice = canned
         head += f"These are the updates of {estimator}. {advice}.\n"
