@@ -81,6 +81,8 @@ def discover(script: str) -> list[tuple[str, int]]:
                               timeout=DISCOVERY_TIMEOUT)
     except subprocess.TimeoutExpired:
         raise ValueError(f"{script!r} ran longer than {DISCOVERY_TIMEOUT:g} s") from None
+    except OSError as exc:  # no descriptor or process to run it: try again at the next period
+        raise ValueError(f"{script!r} could not be started: {exc}") from None
     if proc.returncode != 0:
         raise ValueError(f"{script!r} exited with {proc.returncode}: {proc.stderr.strip()}")
     return parse_discovery(proc.stdout)
@@ -129,7 +131,9 @@ class ElasticJob:
         self.unknown: set[str] = set()  # discovered names that are no host of this job
         self.started = 0
         self.codes: dict[str, int] = {}
-        self.driver = Driver(perseus_env.read(SECRET_VARIABLE, env) or "", place.driver_address,
+        # The workers' secret, -x PERSEUS_SECRET=... included: the driver must prove the same.
+        self.driver = Driver(perseus_env.read(SECRET_VARIABLE, self.base) or "",
+                             place.driver_address,
                              min_np=args.min_np, max_np=args.max_np, ports=ports,
                              on_lost=self._lost)
 

@@ -8,24 +8,25 @@ answers only requests that prove the job secret. Every launch has a timeout.
 
 from __future__ import annotations
 
+import os
+import resource
 import socket
 import sys
 from pathlib import Path
 
+import faults_elastic
 import numpy as np
 import pytest
-from harness import ROOT, WORKERS, launch_env, namespaces_of, needs_emulation
+from harness import WORKERS, launch_env, namespaces_of, needs_emulation
 
-import perseus_env
+from perseus_shared import elastic_wire
 from perseusrun import elastic_run, launch
 from perseusrun.elastic_driver import Driver, Worker
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import faults_elastic  # noqa: E402 (benchmarks/ is on sys.path only now)
 
 # The stall limit is also how long a silent (frozen, cut off) peer is waited for on TCP.
 STALL_SECONDS = 4
 LOSS_BOUND = 10.0  # seconds from a kill or a cut link to the next completed step
+IDLE_CONNECTIONS = 1000  # held open at the driver while the keras case loses rank 0
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -56,10 +57,10 @@ def test_driver_answers_only_requests_that_prove_the_job_secret():
             with socket.create_connection((host, int(port)), timeout=10) as sock:
                 reader = sock.makefile("r", encoding="utf-8")
                 nonce = reader.readline().strip()
-                perseus_env.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
+                elastic_wire.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
                                                             "nonce": "n" * 32, "round": 0})
                 if answered:
-                    answer = perseus_env.elastic_receive(reader, secret, "n" * 32, "answer")
+                    answer = elastic_wire.elastic_receive(reader, secret, "n" * 32, "answer")
                     assert answer == {"updated": False}
                 else:
                     assert reader.readline() == ""  # closed without an answer
@@ -76,6 +77,21 @@ def _finish(run: faults_elastic.ElasticRun) -> int:
     code = run.finish()
     assert namespaces_of(run.proc.pid) == [], run.output()
     return code
+
+
+def _flood_driver(run: faults_elastic.ElasticRun, host: int) -> list[socket.socket]:
+    """Lowers the launcher's descriptor limit to what it holds + 192 and opens IDLE_CONNECTIONS
+    connections to its elastic driver (address from the environment of the worker on `host`)
+    that never send a byte: without a cap on them they exhaust the launcher's descriptors."""
+    environ = Path(f"/proc/{run.worker(host)['pid']}/environ").read_bytes().split(b"\0")
+    driver = next(item.split(b"=", 1)[1].decode() for item in environ
+                  if item.startswith(b"PERSEUS_ELASTIC_DRIVER="))
+    held = len(os.listdir(f"/proc/{run.proc.pid}/fd"))
+    hard = resource.prlimit(run.proc.pid, resource.RLIMIT_NOFILE)[1]
+    resource.prlimit(run.proc.pid, resource.RLIMIT_NOFILE, (held + 192, hard))
+    address, port = driver.rsplit(":", 1)
+    return [socket.create_connection((address, int(port)), timeout=10)
+            for _ in range(IDLE_CONNECTIONS)]
 
 
 def _check_against_reference(run: faults_elastic.ElasticRun) -> dict:
@@ -96,15 +112,16 @@ def _check_against_reference(run: faults_elastic.ElasticRun) -> dict:
 
 
 @needs_emulation
-@pytest.mark.parametrize("mode, losses, removed", [
-    # Keras: rank 0 itself is killed (the new rank 0 gives the state); after host 4 joined,
-    # host 1 leaves the discovered hosts.
-    ("keras", [("kill", 0, LOSS_BOUND)], 1),
+@pytest.mark.parametrize("mode, losses, removed, flood", [
+    # Keras: rank 0 itself is killed (the new rank 0 gives the state) while IDLE_CONNECTIONS
+    # idle connections load the driver beyond its process's descriptor limit; after host 4
+    # joined, host 1 leaves the discovered hosts.
+    ("keras", [("kill", 0, LOSS_BOUND)], 1, True),
     # The tape loop: a frozen rank, then a cut link (both noticed at the stall limit).
-    ("tape", [("freeze", 2, STALL_SECONDS + LOSS_BOUND), ("cut", 1, LOSS_BOUND)], None),
+    ("tape", [("freeze", 2, STALL_SECONDS + LOSS_BOUND), ("cut", 1, LOSS_BOUND)], None, False),
 ])
 def test_lost_ranks_survivors_continue_then_hosts_join_and_leave(tmp_path, mode, losses,
-                                                                 removed):
+                                                                 removed, flood):
     # 5 emulated hosts, 4 in the job; each loss comes at step 20 of the group before it (or
     # later); host 4 is added once the survivors train (then `removed` is dropped), and the
     # job ends a few steps after the last change.
@@ -113,11 +130,16 @@ def test_lost_ranks_survivors_continue_then_hosts_join_and_leave(tmp_path, mode,
     run = _run(tmp_path, hosts=5, initial=[0, 1, 2, 3], np_=4, min_np=4 - len(losses),
                program=[str(WORKERS / "elastic_train.py"), mode, "60", str(rounds), "5000"])
     results = []
+    idle: list[socket.socket] = []
     try:
         for number, (how, host, bound) in enumerate(losses):
             run.wait_for(lambda t, n=number: t.startswith("STEP ") and f" ROUND {n + 1} " in t
                          and int(t.split()[1]) >= 20 * (n + 1), f"step {20 * (number + 1)}")
+            if flood:
+                idle = _flood_driver(run, host=3)
             results.append((bound, run.lose_and_resume(how, host, 4 - number - 1)))
+            for sock in idle:
+                sock.close()
         run.set_hosts([0, 1, 2, 3, 4])
         joined = 4 - len(losses) + 1
         run.wait_for(lambda t: t.startswith("STEP ") and
@@ -130,6 +152,8 @@ def test_lost_ranks_survivors_continue_then_hosts_join_and_leave(tmp_path, mode,
                          f"{removed} left")
         code = _finish(run)
     finally:
+        for sock in idle:
+            sock.close()
         run.kill()
     assert code == 0, run.output()
     final = _check_against_reference(run)

@@ -31,10 +31,13 @@ from harness import (
     worker_module,
 )
 
-from perseusrun import emulate, launch
+from perseusrun import emulate, emulated_run, tcp_run
 
 TIMEOUT = 150
 IMPOSTOR = worker_module("tcp_impostor")  # the handshake as a stranger speaks it
+# tcp_rendezvous.cc's kAnswerGraceSecs (1 s) and a margin: a handshake younger than that is never
+# dropped for a newer connection.
+ANSWER_GRACE_SECS = 1.2
 CORE_TASK = "tcp_core_task.py"  # a rank without TensorFlow: starts in a fraction of a second
 
 
@@ -76,9 +79,9 @@ def refusal_lines(rank: int, out: str) -> list[tuple[str, str]]:
 def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them():
     """30 idle and 30 garbage-sending connections (an HTTP request, 4 KiB of noise, a claim
     without the secret) to rank 0 and to rank 1 while they wait for the other ranks: more than
-    the handshakes a rank lets wait from one address, so the oldest idle ones are dropped for
-    newer ones."""
-    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
+    the handshakes a rank lets wait from one address, so the oldest idle ones, older than
+    ANSWER_GRACE_SECS, are dropped for newer ones."""
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(3)]
     ranks = []
     strangers: dict[int, list[socket.socket]] = {0: [], 1: []}
     names: dict[int, set[str]] = {0: set(), 1: set()}
@@ -86,8 +89,11 @@ def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them()
         # Rank 1 starts after rank 0's flood (so none of its own handshakes can be dropped
         # among the strangers' and counted with them) and rank 2 after rank 1's.
         for target in (0, 1):
-            ranks.append(start_rank(target, addresses))
+            ranks.append(start_rank(target, addresses, worker=CORE_TASK))
             idle = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
+            # A handshake younger than ANSWER_GRACE_SECS is never dropped (a newer connection is
+            # refused instead): the idle ones must have had their time before the newer come.
+            time.sleep(ANSWER_GRACE_SECS)  # a rule of time, not a wait for another process
             garbage = [accepted_connection(addresses[target], ranks[target]) for _ in range(30)]
             for i, sock in enumerate(garbage):
                 noise = (b"GET / HTTP/1.1\r\nHost: rank\r\n\r\n", os.urandom(4096),
@@ -95,7 +101,7 @@ def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them()
                 sock.sendall(noise)
             strangers[target] = idle + garbage
             names[target] = {"{}:{}".format(*sock.getsockname()) for sock in idle + garbage}
-        ranks.append(start_rank(2, addresses))
+        ranks.append(start_rank(2, addresses, worker=CORE_TASK))
         results = finish(ranks, TIMEOUT)
     finally:
         for sock in strangers[0] + strangers[1]:
@@ -135,10 +141,11 @@ def test_a_rank_with_a_wrong_secret_fails_the_job_on_every_rank_naming_it():
     """Rank 1 of 3 has another secret: rank 1 fails at once, refused by rank 0; ranks 0 and
     2 fail when the start timeout ends, each naming rank 1 as the one that did not prove the
     secret (rank 2 was refused by it, or could not reach it)."""
-    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
-    ranks = [start_rank(0, addresses, "init", start_timeout=15),
-             start_rank(1, addresses, "init", start_timeout=15, secret="a-secret-of-another-job"),
-             start_rank(2, addresses, "init", start_timeout=15)]
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(3)]
+    ranks = [start_rank(0, addresses, "init", worker=CORE_TASK, start_timeout=15),
+             start_rank(1, addresses, "init", worker=CORE_TASK, start_timeout=15,
+                        secret="a-secret-of-another-job"),
+             start_rank(2, addresses, "init", worker=CORE_TASK, start_timeout=15)]
     results = finish(ranks, timeout=60)
     everything = "\n".join(out for _, out in results)
     assert [code for code, _ in results] == [3, 3, 3], everything
@@ -161,7 +168,7 @@ def test_a_wrong_secret_from_another_host_is_refused_logged_with_its_address_and
     claims to be rank 1 with another secret: rank 0 refuses it, logs C's address, and the job
     forms when the real rank 1 arrives."""
     with emulate.emulated_hosts(3) as hosts:
-        addresses = [f"{hosts[i].address}:{launch.EMULATED_TCP_PORT}" for i in range(2)]
+        addresses = [f"{hosts[i].address}:{emulated_run.EMULATED_TCP_PORT}" for i in range(2)]
         zero = start_rank(0, addresses, host=hosts[0])
         ranks = [zero]
         try:
@@ -219,7 +226,7 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
     wrong-secret claims, far more than 32 per half second) and host B, rank 1's own address,
     sends garbage and wrong-secret claims and holds a few idle connections. Pending handshakes
     are counted per source, so the strangers of C only drop each other and the job forms."""
-    port = launch.EMULATED_TCP_PORT
+    port = emulated_run.EMULATED_TCP_PORT
     with emulate.emulated_hosts(3) as hosts:
         zero, one, stranger = hosts
         # The same address list on both ranks: rank0host is rank 0 on A, and on B the proxy.
@@ -258,19 +265,82 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
         assert code == 0 and f"[rank {rank}] sum OK size=2" in out, everything
     opened = [int(re.search(r"FLOODED (\d+)", out).group(1)) for out in floods]
     assert opened[0] > 100 and opened[1] > 10, floods
-    # C's flood turned the strangers' slots over many times while rank 1's handshakes waited.
-    assert ("dropped to make room for a newer connection from the same address (at most 32 "
-            "handshakes wait at once from addresses of no rank)") in results[0][1], everything
-    drops = re.search(r"(\d+) dropped for newer connections from the same address",
-                      results[0][1])
-    assert drops and int(drops.group(1)) > 100, everything
+    # C's flood turned the strangers' slots over many times while rank 1's handshakes waited:
+    # newer connections dropped the older ones, or were refused while those were younger than
+    # 1 s (either, as the flood's pace and the load make it).
+    assert re.search(r"(dropped to make room for a newer connection|refused: 32 handshakes) "
+                     r"from (the same address \(at most 32 handshakes wait at once from )?"
+                     r"addresses of no rank", results[0][1]), everything
+    turned = sum(int(count) for count in re.findall(
+        r"(\d+) (?:dropped for newer connections|refused while the handshakes) from the same "
+        r"address", results[0][1]))
+    assert turned > 100, everything
+
+
+def test_a_job_on_one_host_forms_through_a_flood_of_100_connections_from_its_own_address():
+    """Every rank of a one-host job dials from 127.0.0.1, which a local flood shares: 100
+    connections held open and replaced as fast as they can be while ranks 1 and 2 join rank 0.
+    A handshake younger than 1 s is never dropped for a newer connection (the newer one is
+    refused), so a rank's handshake waits for its claim however fast the flood comes; before,
+    32 newer connections pushed it out before its claim was read, on every try, until the start
+    timeout."""
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(3)]
+    procs = []
+    try:
+        procs.append(start_rank(0, addresses, worker=CORE_TASK))
+        flood = subprocess.Popen([sys.executable, str(WORKERS / "tcp_flood.py"), addresses[0],
+                                  "100", "idle"], cwd=ROOT, env=launch_env(),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+        procs.append(flood)
+        wait_for_line(flood, "FLOODING", 60)
+        procs += [start_rank(rank, addresses, worker=CORE_TASK) for rank in (1, 2)]
+        results = finish(procs[:1] + procs[2:], TIMEOUT)
+        flood.stdin.close()
+        flooded = flood.stdout.read()  # it ends with its stdin
+    finally:
+        end_processes(procs)
+    everything = "\n".join(out for _, out in results)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"[rank {rank}] sum OK size=3" in out, everything
+    opened = re.search(r"FLOODED (\d+)", flooded)
+    assert opened and int(opened.group(1)) > 100, flooded
+    refusals = re.search(r"start-up refused (\d+) connections", results[0][1])
+    assert refusals and int(refusals.group(1)) > 0, everything
+    print(f"the flood opened {opened.group(1)} connections; rank 0 refused "
+          f"{refusals.group(1)}")
+
+
+def test_64_ranks_behind_a_resolver_that_answers_in_1_s_form_well_within_the_start_timeout():
+    """64 ranks on 127.0.0.1 whose every name lookup answers 1 s late
+    (PERSEUS_DEBUG_RESOLVE_SECS=1), with a 60 s start timeout. Each process looks each distinct
+    name up once, the accept loop all of them at once: before, rank 0 looked up each higher
+    rank's name in turn (1 + 63 s: past the timeout) and every rank looked up each rank it
+    dialed (up to 64 s)."""
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(64)]
+    ranks = []
+    try:
+        for rank in range(64):
+            env = {**rank_env(rank, addresses, start_timeout=60),
+                   "PERSEUS_DEBUG_RESOLVE_SECS": "1"}
+            ranks.append(subprocess.Popen(
+                [sys.executable, str(WORKERS / CORE_TASK), "init"], cwd=ROOT, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        start = time.monotonic()
+        results = finish(ranks, TIMEOUT)
+        print(f"64 ranks formed in {time.monotonic() - start:.1f} s behind a 1 s resolver")
+    finally:
+        end_processes(ranks)
+    everything = "\n".join(out for _, out in results)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"[rank {rank}] INIT OK" in out, everything
 
 
 def test_a_strangers_failed_claim_is_logged_but_never_the_jobs_failure():
     """Rank 1 (127.0.0.2) never starts; a stranger from 127.0.0.1 claims to be rank 1 with
     another secret. Rank 0 logs the refusal, and its start-up failure names rank 1 as never
     arrived, not the stranger's claim."""
-    ports = launch.free_local_ports(2)
+    ports = tcp_run.free_local_ports(2)
     addresses = [f"127.0.0.1:{ports[0]}", f"127.0.0.2:{ports[1]}"]
     rank0 = start_rank(0, addresses, "init", worker=CORE_TASK, start_timeout=4)
     try:
@@ -294,7 +364,7 @@ def test_a_strangers_failed_claim_is_logged_but_never_the_jobs_failure():
 def test_a_peer_trickling_its_hello_cannot_hold_the_dialer_past_the_start_timeout():
     """A fake rank 0 accepts rank 1 and sends its hello one byte every 0.25 s (19 s in all):
     rank 1 gives up when its 3 s start timeout ends, not when the trickle does."""
-    ports = launch.free_local_ports(2)
+    ports = tcp_run.free_local_ports(2)
     addresses = [f"127.0.0.1:{port}" for port in ports]
     fake = socket.create_server(("127.0.0.1", ports[0]))
     rank1 = start_rank(1, addresses, "init", worker=CORE_TASK, start_timeout=3)
@@ -334,7 +404,7 @@ def test_two_jobs_sharing_a_secret_cannot_cross_connect():
     """Job A's rank 0 and a rank 1 given another job's address list (job B's, with job A's
     address for rank 0), the same secret: rank 1 fails at once saying the process there is of
     another job; rank 0 does not take it for its rank 1."""
-    ports = launch.free_local_ports(3)
+    ports = tcp_run.free_local_ports(3)
     job_a = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"]
     job_b = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[2]}"]
     ranks = [start_rank(0, job_a, "init", worker=CORE_TASK, start_timeout=3),
