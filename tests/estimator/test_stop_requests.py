@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from harness import ROOT, run_ranks, task_env, wait_all
 
-from perseusrun.launch import free_local_ports
+from perseusrun.tcp_run import free_local_ports
 
 WORKER = "tests/workers/stop_requests.py"
 MAX_STEPS = 30  # stop_requests.MAX_STEPS
