@@ -1,5 +1,6 @@
 """The package's layout: no import cycle between perseus_legacy modules, and perseus_legacy/common
-free of TensorFlow and Keras (static: the imports are read with ast, nothing is imported)."""
+free of TensorFlow and Keras (static: the imports are read with ast, nothing is imported); every
+worker of tests/workers in tests/README.md's map."""
 
 from __future__ import annotations
 
@@ -101,3 +102,11 @@ def test_common_imports_no_framework():
     assert not offending, "perseus_legacy/common must stay framework-free:\n" + "\n".join(
         offending)
     assert "perseus_legacy.common.basics" in modules()
+
+
+def test_every_worker_is_in_the_map_of_tests_readme():
+    tests = Path(__file__).resolve().parent
+    text = (tests / "README.md").read_text()
+    missing = [path.stem for path in sorted((tests / "workers").glob("*.py"))
+               if path.stem not in text]
+    assert not missing, f"tests/README.md does not name the workers {missing}"
