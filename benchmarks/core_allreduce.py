@@ -53,7 +53,7 @@ def main() -> None:
                 lambda d=data, o=out: comm.Allreduce(d, o, op=MPI.SUM), iters))
             for what, capacity in VARIANTS.items():
                 os.environ["PERSEUS_CACHE_CAPACITY"] = capacity  # read by init()
-                _core.init(MPI._handleof(comm))
+                _core.init_mpi(MPI._handleof(comm))
                 samples[label, what].append(median_seconds(
                     lambda d=data, o=out: _core.allreduce(d, "bench", op=1, out=o), iters))
                 _core.shutdown()

@@ -1,8 +1,12 @@
-"""What the digits examples share: the data, the model and the reference run (plain TF1,
-nothing distributed).
+"""What the digits examples share: the data, the model and the reference run (plain TF1; the
+Session examples' start below joins the job).
 
 Data: an MNIST .npz (x_train, y_train, x_test, y_test) or scikit-learn's bundled 8x8 digits
 (no download). Images come back flattened, scaled to [0, 1], as float32.
+
+The Session examples (session_run.py, monitored_session.py) share their options
+(session_arguments), their start (session_setup: init(), this rank's shard, the scaled learning
+rate) and their graph (classifier).
 
 Reference: an example run with `--reference-ranks N` joins no job and runs no collective. One
 process trains on what N synchronous ranks see together: each step, the N ranks' batches
@@ -13,6 +17,10 @@ each other and with the reference.
 """
 
 from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -57,6 +65,57 @@ def add_reference_argument(parser) -> None:
                              "(what the tests compare an N-rank run with)")
 
 
+def session_arguments(doc: str) -> argparse.ArgumentParser:
+    """The options of the Session examples: --data, --steps, --smoke (20 steps) and
+    --reference-ranks; a script adds its own before parsing."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--data", help="MNIST .npz (default: scikit-learn's 8x8 digits)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--smoke", action="store_true", help="a tiny run: 20 steps")
+    add_reference_argument(parser)
+    return parser
+
+
+@dataclasses.dataclass
+class SessionSetup:
+    """What a Session example trains with (session_setup())."""
+
+    rank: int
+    ranks: int
+    learning_rate: float
+    data: Iterator  # endless (x, y) training batches
+    x_test: np.ndarray
+    y_test: np.ndarray
+    features: int
+    classes: int
+    steps: int
+    reference: int  # --reference-ranks: 0 on the ranks of a job
+
+
+def session_setup(args: argparse.Namespace) -> SessionSetup:
+    """Loads the data and, on a rank of a job, joins it: this rank's shard (every size()-th
+    example) and the learning rate scaled by size(); in a reference run, the N ranks' batches of
+    a step concatenated and their learning rate. Seeds the graph by rank (rank 0's initial
+    values are broadcast, so any seed will do)."""
+    import perseus_legacy as pl
+
+    x_train, y_train, x_test, y_test = load(args.data)
+    classes = int(max(y_train.max(), y_test.max())) + 1
+    reference = args.reference_ranks
+    if reference:
+        rank, ranks, learning_rate = 0, reference, LR * reference
+        data = global_batches(x_train, y_train, BATCH, reference)
+    else:
+        pl.init()  # perseus_legacy
+        rank, ranks = pl.rank(), pl.size()  # perseus_legacy
+        learning_rate = pl.scale_learning_rate(LR)  # perseus_legacy
+        shard = slice(rank, None, ranks)  # perseus_legacy: every size()-th example
+        data = batches(x_train[shard], y_train[shard], BATCH)
+    tf.compat.v1.set_random_seed(rank)
+    return SessionSetup(rank, ranks, learning_rate, data, x_test, y_test, x_train.shape[1],
+                        classes, 20 if args.smoke else args.steps, reference)
+
+
 def global_batches(x: np.ndarray, y: np.ndarray, batch_size: int, ranks: int):
     """Endless global batches: each step, what batches() gives every rank of `ranks` from its
     shard (every ranks-th example), concatenated in rank order."""
@@ -93,6 +152,16 @@ class PrintWeights(tf.compat.v1.train.SessionRunHook):
 
     def end(self, session):
         print(weights_line(session.run(self.variables)), flush=True)
+
+
+def classifier(features: int, classes: int) -> tuple:
+    """The Session examples' graph: placeholders x and y, the loss and the accuracy."""
+    x = tf.compat.v1.placeholder(tf.float32, [None, features], name="x")
+    y = tf.compat.v1.placeholder(tf.int64, [None], name="y")
+    logits = model(x, classes)
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+    accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), y), tf.float32))
+    return x, y, loss, accuracy
 
 
 def model(x, classes):

@@ -1,9 +1,9 @@
 """What every perseusrun backend shares: the backend interface, the job's checks, host lists.
 
-A backend (mpi_run, tcp_run, slurm_run, emulated_run) is a module with one function,
-`prepare(args, env)`: it checks the parsed command line against its own rules (UsageError, which
-perseusrun prints before anything starts) and returns the call that runs the job and returns
-its exit code. launch.main() picks the backend; supervise.supervise() watches what it starts.
+A backend (a module of BACKENDS) has one function, `prepare(args, env)`: it checks the parsed
+command line against its own rules (UsageError, which perseusrun prints before anything starts)
+and returns the call that runs the job and returns its exit code. launch.main() picks the
+backend; supervise.supervise() watches what it starts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,11 @@ from typing import Protocol
 LOCAL_HOST_NAMES = {"localhost", "127.0.0.1", "::1"}
 # Variables of an MPI launcher; ranks that perseusrun starts without MPI do not inherit them.
 MPI_PREFIXES = ("OMPI_", "PMIX_", "PMI_")
+
+
+# Every backend, a module perseusrun/<name>.py (tests/test_launcher.py checks the list against the
+# *_run.py files and their prepare()); launch.choose_backend() picks one.
+BACKENDS = ("mpi_run", "tcp_run", "slurm_run", "emulated_run", "elastic_run")
 
 
 class UsageError(Exception):

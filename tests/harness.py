@@ -13,6 +13,7 @@ The rank side's helpers (what tests/workers/*.py share) are in tests/workers/wor
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -126,10 +127,10 @@ def failure_summary(out: str, limit: int = 20) -> str:
     return "\n".join(seen[:limit])
 
 
-def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
-              env: dict | None = None, expect_failure: bool = False,
-              controller: str = "mpi", python: str | None = None) -> subprocess.CompletedProcess:
-    """Runs `script` on `np` ranks; asserts it exits 0 (or non-zero with expect_failure)."""
+def _launch(np: int, script: str, args: tuple, launcher: str, timeout: float, env: dict | None,
+            controller: str, python: str | None) -> tuple[subprocess.CompletedProcess, str]:
+    """Runs `script` on `np` ranks: the command, its exit code and the output of all ranks, and
+    what ended a hang ("" when the ranks ended by themselves within `timeout`)."""
     cmd = command(np, script, args, launcher, timeout, controller, python)
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -144,22 +145,86 @@ def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, _ = proc.communicate()
-        raise AssertionError(
-            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Error lines:\n"
-            f"{failure_summary(out)}\nOutput:\n{out}") from None
-    result = subprocess.CompletedProcess(cmd, proc.returncode, out, "")
-    if launcher == "perseusrun" and proc.returncode == 124:
-        raise AssertionError(
-            f"{' '.join(cmd)}\ntimed out after {timeout}s (a hang). Error lines:\n"
-            f"{failure_summary(out)}\nOutput:\n{out}")
-    failed = proc.returncode != 0
+        hung = True
+    else:
+        hung = launcher == "perseusrun" and proc.returncode == supervise.TIMEOUT_EXIT_CODE
+    return (subprocess.CompletedProcess(cmd, proc.returncode, out, ""),
+            f"timed out after {timeout}s (a hang)" if hung else "")
+
+
+def run_ranks(np: int, script: str, *args, launcher: str = "perseusrun", timeout: float = 180,
+              env: dict | None = None, expect_failure: bool = False,
+              controller: str = "mpi", python: str | None = None) -> subprocess.CompletedProcess:
+    """Runs `script` on `np` ranks; asserts it exits 0 (or non-zero with expect_failure)."""
+    result, hang = _launch(np, script, args, launcher, timeout, env, controller, python)
+    cmd, out = result.args, result.stdout
+    if hang:
+        raise AssertionError(f"{' '.join(cmd)}\n{hang}. Error lines:\n{failure_summary(out)}\n"
+                             f"Output:\n{out}")
+    failed = result.returncode != 0
     if failed != expect_failure:
         verdict = "failed" if failed else "succeeded but was expected to fail"
         # The summary comes first: a long output may be cut where a report shows it.
         raise AssertionError(
-            f"{' '.join(cmd)}\n{verdict} (exit {proc.returncode}). Error lines:\n"
+            f"{' '.join(cmd)}\n{verdict} (exit {result.returncode}). Error lines:\n"
             f"{failure_summary(out)}\nOutput of all ranks:\n{out}")
     return result
+
+
+# ---- named cases: one launch, one test per case ------------------------------------------------
+
+class CaseLaunch:
+    """One launch of a worker that runs named cases (worker_util.run_cases): each case's
+    verdict on every rank, read from the output."""
+
+    def __init__(self, result: subprocess.CompletedProcess, ranks: int, hang: str = ""):
+        self.result, self.ranks, self.hang = result, ranks, hang
+
+    def check(self, case: str) -> None:
+        """Fails unless every rank printed `CASE case: OK`, showing the ranks' verdicts."""
+        out = self.result.stdout
+        verdicts = [line.strip() for line in out.splitlines() if f"] CASE {case}: " in line]
+        if sum(line.endswith(f"CASE {case}: OK") for line in verdicts) == self.ranks:
+            return
+        ended = self.hang or f"exit {self.result.returncode}"
+        said = "\n".join(verdicts) or f"no rank reported it: the launch ended first ({ended})"
+        raise AssertionError(f"{' '.join(self.result.args)}\ncase {case!r} on {self.ranks} "
+                             f"ranks:\n{said}\nError lines:\n{failure_summary(out)}\n"
+                             f"Output of all ranks:\n{out}")
+
+
+def run_cases(np: int, script: str, cases: list[str], *args, launcher: str = "perseusrun",
+              timeout: float = 180, env: dict | None = None, controller: str = "mpi",
+              python: str | None = None) -> CaseLaunch:
+    """Runs `script ARGS CASES...` on `np` ranks once; CaseLaunch.check(case) is each test."""
+    result, hang = _launch(np, script, (*args, *cases), launcher, timeout, env, controller,
+                           python)
+    return CaseLaunch(result, np, hang)
+
+
+def worker_cases(script: str) -> list[str]:
+    """The literal `CASES = (...)` of a worker script, read without importing it (and so without
+    TensorFlow): the names a test parametrizes over."""
+    tree = ast.parse((ROOT / script).read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == [
+                "CASES"]:
+            return list(ast.literal_eval(node.value))
+    raise ValueError(f"{script} has no literal CASES")
+
+
+def selected_cases(request: pytest.FixtureRequest, cases: list[str]) -> list[str]:
+    """Of `cases`, those a selected test of this module asks for (with the same parameter as
+    this module-scoped fixture, if it has one): `-k` launches only what it runs."""
+    param = getattr(request, "param", None)
+    wanted = set()
+    for item in request.session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if (getattr(item, "module", None) is request.module and "case" in params
+                and request.fixturename in getattr(item, "fixturenames", ())
+                and (param is None or params.get(request.fixturename) == param)):
+            wanted.add(params["case"])
+    return [case for case in cases if case in wanted]
 
 
 def run_perseusrun(options: list, args: list, env: dict | None = None,
@@ -410,6 +475,14 @@ def finish_reference(proc: subprocess.Popen, out: Path) -> dict:
     return load_values(out / "reference.npz")
 
 
+def assert_values_close(got: dict, expected: dict, what: str) -> None:
+    """`got` holds exactly `expected`'s names, each value within RTOL/ATOL of the expected one."""
+    assert sorted(got) == sorted(expected), (what, sorted(got), sorted(expected))
+    for name, want in expected.items():
+        np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL,
+                                   err_msg=f"{what}: {name}")
+
+
 def assert_ranks_match_reference(ranks: list[dict], expected: dict) -> None:
     """Every rank's final variables equal the single-process reference's and rank 0's exactly;
     rank 0's checkpoint (`checkpoint/...` values) equals the reference's."""
@@ -492,10 +565,8 @@ def assert_resumed(out_dir: Path, start: int, expected: list, ranks: int = 2) ->
         record = json.loads((out_dir / f"rank{rank}.json").read_text())
         assert record == {"start_step": start, "end_step": int(final["global_step"])}, (
             rank, record)
-        assert sorted(values[rank]) == sorted(final), (rank, sorted(values[rank]))
-        for name, want in final.items():
-            np.testing.assert_allclose(values[rank][name], want, rtol=RTOL, atol=ATOL,
-                                       err_msg=f"rank {rank}: {name}")
+        assert_values_close(values[rank], final, f"rank {rank}")
+        for name in final:
             np.testing.assert_array_equal(values[rank][name], values[0][name],
                                           err_msg=f"rank {rank} differs from rank 0: {name}")
 

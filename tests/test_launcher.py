@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import subprocess
@@ -262,3 +263,10 @@ def test_check_build_and_python_m_print_the_same_report_of_every_component_and_e
                     "mpirun (perseusrun uses):", "TensorFlow patches:", "Keras integration:"):
         assert section in proc.stdout, proc.stdout
     assert "NCCL" not in proc.stdout, proc.stdout  # every kernel runs on the CPU
+
+
+def test_every_backend_module_is_listed_and_has_prepare():
+    modules = {path.stem for path in (ROOT / "perseusrun").glob("*_run.py")}
+    assert set(job.BACKENDS) == modules, "perseusrun/job.py BACKENDS and the *_run.py files differ"
+    for name in job.BACKENDS:
+        assert callable(importlib.import_module(f"perseusrun.{name}").prepare), name

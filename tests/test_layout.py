@@ -1,5 +1,6 @@
 """The package's layout: no import cycle between perseus_legacy modules, and perseus_legacy/common
-free of TensorFlow and Keras (static: the imports are read with ast, nothing is imported)."""
+free of TensorFlow and Keras (static: the imports are read with ast, nothing is imported); every
+worker of tests/workers in tests/README.md's map."""
 
 from __future__ import annotations
 
@@ -114,3 +115,11 @@ def test_shared_modules_import_neither_package_nor_a_framework():
                  for path in files for target, line in imported_names(path, path.stem)
                  if target.split(".")[0] in forbidden]
     assert not offending, "shared modules must import neither package:\n" + "\n".join(offending)
+
+
+def test_every_worker_is_in_the_map_of_tests_readme():
+    tests = Path(__file__).resolve().parent
+    text = (tests / "README.md").read_text()
+    missing = [path.stem for path in sorted((tests / "workers").glob("*.py"))
+               if path.stem not in text]
+    assert not missing, f"tests/README.md does not name the workers {missing}"

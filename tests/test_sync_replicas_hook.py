@@ -5,11 +5,20 @@ over real ranks; plus a single-process check of the error for an update op it ca
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
+from harness import run_cases, run_ranks, selected_cases, worker_cases
+
+HOOK = "tests/workers/train_hook.py"
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_plain_optimizer_with_sync_replicas_hook_equals_single_process_on_the_global_batch(np_):
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def hook_training(request):
+    return run_cases(request.param, HOOK, selected_cases(request, worker_cases(HOOK)),
+                     timeout=110)
+
+
+@pytest.mark.parametrize("case", worker_cases(HOOK))
+def test_plain_optimizer_with_sync_replicas_hook_equals_single_process_on_the_global_batch(
+        hook_training, case):
     """SGD (dense apply + sparse scatter), Momentum (sparse apply) and Adam (slot scatters after
     merging duplicate indices), 5 steps, ranks starting from different random values: under
     MonitoredTrainingSession + SyncReplicasHook, under a plain Session + distribute_graph +
@@ -17,8 +26,7 @@ def test_plain_optimizer_with_sync_replicas_hook_equals_single_process_on_the_gl
     DistributedOptimizer + SyncReplicasHook (nothing rewritten, averaged once), the final
     variables equal a plain-TF run on the global batch from rank 0's values (rtol 1e-5,
     atol 1e-6)."""
-    out = run_ranks(np_, "tests/workers/train_hook.py", timeout=110).stdout
-    assert out.count("OK:") == np_, out
+    hook_training.check(case)
 
 
 @pytest.mark.parametrize("np_,scenario", [(2, "short-first"), (3, "short-last"),

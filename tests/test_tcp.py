@@ -107,6 +107,15 @@ def test_controller_is_mpi_under_an_mpi_launcher_and_tcp_for_a_cluster(env, expe
     assert tf_config.controller_from_env(env) == expected
 
 
+def test_init_joins_over_every_registered_transport_through_the_function_it_names():
+    from perseus_legacy.common import basics, native
+
+    transports = native.core().transports()
+    assert {t["name"] for t in transports} == set(basics.JOINS), transports
+    for transport in transports:
+        assert callable(getattr(native.core(), transport["binding"], None)), transport
+
+
 def test_bad_settings_are_named():
     with pytest.raises(ValueError, match="PERSEUS_CONTROLLER='gloo'"):
         tf_config.controller_from_env({"PERSEUS_CONTROLLER": "gloo"})

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import socket
 import subprocess
 import sys
@@ -23,11 +22,14 @@ import time
 from harness import (
     ROOT,
     WORKERS,
+    drain,
     end_processes,
     finish,
     launch_env,
     needs_emulation,
     rank_env,
+    stream_lines,
+    wait_for_line,
     worker_module,
 )
 
@@ -195,23 +197,6 @@ def test_a_wrong_secret_from_another_host_is_refused_logged_with_its_address_and
 
 # ---- claims that arrive late, strangers' claims, trickling peers, other jobs --------------------
 
-def wait_for_line(proc: subprocess.Popen, text: str, timeout: float) -> None:
-    """Reads `proc`'s output until a line contains `text`; fails past `timeout` or at its end."""
-    deadline = time.monotonic() + timeout
-    seen = []
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([proc.stdout], [], [], deadline - time.monotonic())
-        if not readable:
-            break
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if text in line:
-            return
-    raise AssertionError(f"no line with {text!r} within {timeout} s:\n{''.join(seen)}")
-
-
 def name_host(host: emulate.EmulatedHost, name: str, address: str) -> None:
     """Inside emulated `host`, `name` resolves to `address` (its /etc/hosts)."""
     with open(emulate.NETNS_ETC / host.namespace / "hosts", "a") as hosts:
@@ -248,16 +233,18 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
             flood = start(stranger, [WORKERS / "tcp_flood.py", target, 400,
                                      "idle,idle,garbage,claim"])
             own = start(one, [WORKERS / "tcp_flood.py", target, 8, "garbage,claim,idle"])
-            wait_for_line(flood, "FLOODING", 60)
-            wait_for_line(own, "FLOODING", 60)
+            flooders = [(stream_lines(proc.stdout), []) for proc in (flood, own)]
+            for lines, seen in flooders:
+                wait_for_line(lines, "FLOODING", 60, seen)
             proxy = start(one, [WORKERS / "delay_proxy.py", f"{one.address}:{port}", target,
                                 0.5])
-            wait_for_line(proxy, "PROXY READY", 60)
+            wait_for_line(stream_lines(proxy.stdout), "PROXY READY", 60, [])
             rank1 = start(one, [WORKERS / CORE_TASK, "sum"], rank_env(1, addresses))
             results = finish([rank0, rank1], TIMEOUT)
             for proc in (flood, own, proxy):
                 proc.stdin.close()
-            floods = [proc.stdout.read() for proc in (flood, own)]  # they end with their stdin
+            # They end with their stdin.
+            floods = ["".join(seen + drain(lines)) for lines, seen in flooders]
         finally:
             end_processes(procs)
     everything = "\n".join(out for _, out in results)

@@ -58,3 +58,18 @@ def test_docs_name_every_change():
         # their last part.
         short = change.target.split(" ")[-1].split(".")[-1]
         assert short in text, f"docs/tf-compat.md does not name {change.target}"
+
+
+def test_the_collectives_exempt_from_program_order_are_every_op_the_library_registers():
+    from tensorflow.python.framework import op_def_registry
+
+    from perseus_legacy.tensorflow import collectives
+    from perseus_legacy.tf_compat import control_deps
+
+    library = collectives._op_library()
+    # The library's op wrappers: functions of its own module named after the op types.
+    registered = {name for name, value in vars(library).items()
+                  if getattr(value, "__module__", None) == library.__name__
+                  and op_def_registry.get(name) is not None}
+    assert registered == set(control_deps.COLLECTIVE_OP_TYPES), (
+        "ops/tensorflow/kernels.cc's REGISTER_OPs and control_deps.COLLECTIVE_OP_TYPES differ")

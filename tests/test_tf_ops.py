@@ -1,4 +1,7 @@
-"""The TensorFlow collectives on real multi-rank launches, plus the op library's lazy loading."""
+"""The TensorFlow collectives on real multi-rank launches, plus the op library's lazy loading.
+
+One launch per configuration runs every named case of tests/workers/tf_collectives.py; each
+case is a test of its own (`-k allgather_graph` launches only that case)."""
 
 from __future__ import annotations
 
@@ -6,21 +9,29 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT, launch_env, run_ranks
+from harness import ROOT, launch_env, run_cases, selected_cases, worker_cases
 
-
+WORKER = "tests/workers/tf_collectives.py"
+CASES = worker_cases(WORKER)
 # Plain mpirun must work as well as perseusrun: the runtime reads ranks from MPI itself. The
 # TCP controller (perseusrun --tcp) carries the same ops.
-@pytest.mark.parametrize("np_, launcher, controller", [
-    (1, "perseusrun", "mpi"), (2, "mpirun", "mpi"), (3, "perseusrun", "mpi"),
-    (2, "perseusrun", "tcp")])
-def test_tf_collectives_match_numpy_in_eager_function_and_session_modes(np_, launcher,
-                                                                          controller):
+LAUNCHES = [(1, "perseusrun", "mpi"), (2, "mpirun", "mpi"), (3, "perseusrun", "mpi"),
+            (2, "perseusrun", "tcp")]
+
+
+@pytest.fixture(scope="module", params=LAUNCHES, ids=lambda p: f"{p[0]}ranks-{p[1]}-{p[2]}")
+def launch(request):
+    np_, launcher, controller = request.param
+    return run_cases(np_, WORKER, selected_cases(request, CASES), launcher=launcher,
+                     controller=controller, timeout=600)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tf_collective_matches_numpy(launch, case):
     """Every op x dtype, uneven shapes, every broadcast root, shuffled build orders, 200 fused
-    tensors, the gradients of each op, and the error paths (before init, mismatched shapes)."""
-    out = run_ranks(np_, "tests/workers/tf_collectives.py", launcher=launcher, timeout=600,
-                    controller=controller).stdout
-    assert out.count("OK:") == np_, out
+    tensors, the gradients of each op, and the error paths (before init, mismatched shapes), in
+    eager, tf.function and Session modes."""
+    launch.check(case)
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

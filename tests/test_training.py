@@ -5,30 +5,45 @@ checkpoints, data.shard and the config helpers; plus single-process checks that 
 from __future__ import annotations
 
 import pytest
-from harness import run_ranks
+from harness import run_cases, run_ranks, selected_cases, worker_cases
+
+MODELS = "tests/workers/train_models.py"
+ACCUMULATE = "tests/workers/train_accumulate.py"
+RANKS = dict(params=[2, 3], ids=lambda n: f"{n}ranks")
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_distributed_optimizer_training_equals_single_process_on_the_global_batch(np_, tmp_path):
+@pytest.fixture(scope="module", **RANKS)
+def models(request, tmp_path_factory):
+    return run_cases(request.param, MODELS, selected_cases(request, worker_cases(MODELS)),
+                     tmp_path_factory.mktemp("models"), timeout=170)
+
+
+@pytest.mark.parametrize("case", worker_cases(MODELS))
+def test_distributed_optimizer_training_equals_single_process_on_the_global_batch(models, case):
     """SGD, Momentum and Adam, dense + sparse (embedding) gradients, 5 steps, ranks starting from
     different random values: under MonitoredTrainingSession + BroadcastGlobalVariablesHook and a
     plain Session + broadcast_global_variables, the final variables equal a plain-TF run on the
     concatenated global batch from rank 0's values (rtol 1e-5, atol 1e-6); Compression.fp16
     within rtol 2e-2, atol 2e-3; only rank 0 writes checkpoints into the shared directory."""
-    out = run_ranks(np_, "tests/workers/train_models.py", tmp_path, timeout=170).stdout
-    assert out.count("OK:") == np_, out
+    models.check(case)
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-def test_accumulated_passes_equal_one_single_process_step_on_their_global_batches(np_):
+@pytest.fixture(scope="module", **RANKS)
+def accumulate(request):
+    return run_cases(request.param, ACCUMULATE,
+                     selected_cases(request, worker_cases(ACCUMULATE)), timeout=170)
+
+
+@pytest.mark.parametrize("case", worker_cases(ACCUMULATE))
+def test_accumulated_passes_equal_one_single_process_step_on_their_global_batches(accumulate,
+                                                                                   case):
     """SyncReplicasOptimizer with replicas_to_aggregate = size and 2 x size (MonitoredTraining-
     Session + make_session_run_hook) and DistributedOptimizer(backward_passes_per_step=2) (plain
     Session; passes summed): SGD, Momentum, Adam with a sparse embedding gradient kept sparse,
     3 updates; the global step advances once per update; final variables equal plain TF taking
     one step per group of global batches (rtol 1e-5, atol 1e-6). Backup workers, counts that are
     not a multiple of the ranks and a wrong total_num_replicas are refused, naming the rank."""
-    out = run_ranks(np_, "tests/workers/train_accumulate.py", timeout=170).stdout
-    assert out.count("OK:") == np_, out
+    accumulate.check(case)
 
 
 def test_a_killed_job_restarts_from_rank_0s_last_checkpoint_with_identical_ranks(tmp_path):

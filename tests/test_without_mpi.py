@@ -13,19 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
-from harness import QUIET_ENV, ROOT, WORKERS
+from harness import ROOT, WORKERS, task_env
 
 from perseusrun import tcp_run
 
 SECRET = "without-mpi-secret-0123456789"
 
 
-def rank_env(lib: Path) -> dict:
-    """Only the build under test and the workers' helpers on the path: not the source tree."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PERSEUS_", "OMPI_", "PMI"))}
-    env.update(QUIET_ENV, PYTHONPATH=os.pathsep.join([str(lib), str(WORKERS)]),
-               PERSEUS_SECRET=SECRET)
-    return env
+def build_env(lib: Path) -> dict:
+    """A process started by hand with only the build under test and the workers' helpers on the
+    path: not the source tree."""
+    return task_env({"PYTHONPATH": os.pathsep.join([str(lib), str(WORKERS)]),
+                     "PERSEUS_SECRET": SECRET})
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +76,13 @@ def test_nothing_in_the_build_links_an_mpi_library_or_calls_mpi(lib):
 
 def test_mpi_is_registered_as_not_built_and_init_over_mpi_says_so(lib):
     proc = subprocess.run([sys.executable, str(WORKERS / "without_mpi_task.py"), "info"],
-                          cwd=lib, env=rank_env(lib), stdout=subprocess.PIPE,
+                          cwd=lib, env=build_env(lib), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["core"].startswith(str(lib)), report
-    assert report["transports"] == [{"name": "mpi", "built": False},
-                                    {"name": "tcp", "built": True}], report
+    assert report["transports"] == [{"name": "mpi", "built": False, "binding": "init_mpi"},
+                                    {"name": "tcp", "built": True, "binding": "init_tcp"}], report
     assert report["build_info"] == {"mpi": False, "tcp": True, "nccl": False,
                                     "controller": ""}, report
     assert "this build has no MPI" in report["mpi_init"], report
@@ -94,7 +93,7 @@ def test_two_ranks_allreduce_over_tcp_against_numpy(lib):
     addresses = ",".join(f"127.0.0.1:{p}" for p in tcp_run.free_local_ports(2))
     procs = [subprocess.Popen([sys.executable, str(WORKERS / "without_mpi_task.py"), "allreduce",
                                str(rank), addresses],
-                              cwd=lib, env=rank_env(lib), stdout=subprocess.PIPE,
+                              cwd=lib, env=build_env(lib), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
              for rank in range(2)]
     outputs = []

@@ -26,6 +26,9 @@ enum class DataType : uint8_t {
   kInt16 = 9,
   kUInt16 = 10,
 };
+// The highest of each enum: decoders refuse values above it, tables have one entry per value.
+// Move it when adding a value.
+constexpr DataType kLastDataType = DataType::kUInt16;
 
 // Values are part of the Python API (perseus_legacy.Average == 0, ...): keep them stable.
 enum class ReduceOp : uint8_t {
@@ -35,13 +38,17 @@ enum class ReduceOp : uint8_t {
   kMax = 3,
   kProduct = 4,
 };
+constexpr ReduceOp kLastReduceOp = ReduceOp::kProduct;
 
+// Adding one: docs/design.md, "Adding a collective".
 enum class CollectiveType : uint8_t {
   kAllreduce = 0,
   kAllgather = 1,
   kBroadcast = 2,
   kAlltoall = 3,
 };
+constexpr CollectiveType kLastCollectiveType = CollectiveType::kAlltoall;
+constexpr int kCollectiveTypes = static_cast<int>(kLastCollectiveType) + 1;
 
 size_t DataTypeSize(DataType dtype);
 

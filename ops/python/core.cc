@@ -20,6 +20,7 @@
 #include "common/common.h"
 #include "runtime/message.h"
 #include "runtime/runtime.h"
+#include "transport/registry.h"
 
 namespace py = pybind11;
 
@@ -172,7 +173,7 @@ void SubmitAndWait(std::vector<CollectiveRequest> requests) {
 }
 
 ReduceOp CheckedOp(int op) {
-  if (op < 0 || op > static_cast<int>(ReduceOp::kProduct)) {
+  if (op < 0 || op > static_cast<int>(kLastReduceOp)) {
     throw py::value_error("perseus_legacy: op must be Average(0), Sum(1), Min(2), Max(3) or "
                           "Product(4), got " + std::to_string(op));
   }
@@ -376,7 +377,7 @@ PYBIND11_MODULE(_core, m) {
   m.doc() = "perseus_legacy native core: process group and numpy collectives";
 
   m.def(
-      "init",
+      "init_mpi",
       [](intptr_t comm_handle, double start_timeout) {
         TransportOptions options;
         options.mpi_comm_handle = comm_handle;
@@ -425,21 +426,23 @@ PYBIND11_MODULE(_core, m) {
       "transports",
       [] {
         py::list all;
-        for (const auto& [name, built] : Transports()) {
+        for (const Transport& registered : RegisteredTransports()) {
           py::dict transport;
-          transport["name"] = name;
-          transport["built"] = built;
+          transport["name"] = registered.name;
+          transport["built"] = registered.built;
+          transport["binding"] = registered.binding;
           all.append(transport);
         }
         return all;
       },
       "Every transport this library registers, in name order: [{\"name\": ..., \"built\": "
-      "bool}]; a transport that is not built fails init() saying so.");
+      "bool, \"binding\": the function of this module that joins over it}]; a transport that "
+      "is not built fails init() saying so.");
   m.def(
       "build_info",
       [] {
         py::dict info;
-        for (const auto& [name, built] : Transports()) info[py::str(name)] = built;
+        for (const Transport& t : RegisteredTransports()) info[py::str(t.name)] = t.built;
         info["nccl"] = false;
         info["controller"] = ControllerName();
         return info;

@@ -138,9 +138,9 @@ bool Deserialize(const std::string& bytes, RequestList* list) {
   for (uint32_t i = 0; i < n && r.ok(); ++i) {
     RequestMeta m;
     m.name = r.GetString();
-    m.type = r.GetEnum(CollectiveType::kAlltoall);
-    m.dtype = r.GetEnum(DataType::kUInt16);
-    m.reduce_op = r.GetEnum(ReduceOp::kProduct);
+    m.type = r.GetEnum(kLastCollectiveType);
+    m.dtype = r.GetEnum(kLastDataType);
+    m.reduce_op = r.GetEnum(kLastReduceOp);
     m.root_rank = r.Get<int32_t>();
     m.prescale_factor = r.Get<double>();
     m.postscale_factor = r.Get<double>();
@@ -186,8 +186,8 @@ bool Deserialize(const std::string& bytes, ResponseList* list) {
     resp.type = r.GetEnum(kLastResponseType);
     uint32_t names = r.GetCount(sizeof(uint32_t));
     for (uint32_t j = 0; j < names && r.ok(); ++j) resp.names.push_back(r.GetString());
-    resp.dtype = r.GetEnum(DataType::kUInt16);
-    resp.reduce_op = r.GetEnum(ReduceOp::kProduct);
+    resp.dtype = r.GetEnum(kLastDataType);
+    resp.reduce_op = r.GetEnum(kLastReduceOp);
     resp.root_rank = r.Get<int32_t>();
     resp.prescale_factor = r.Get<double>();
     resp.postscale_factor = r.Get<double>();

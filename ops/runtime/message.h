@@ -56,6 +56,10 @@ enum class ResponseType : uint8_t {
   kProcessSetAdded = 8,
   kProcessSetRemoved = 9,
 };
+// A collective's response has the value of its CollectiveType.
+static_assert(static_cast<int>(ResponseType::kAlltoall) ==
+                  static_cast<int>(kLastCollectiveType),
+              "each CollectiveType needs its ResponseType, numbered alike, before kError");
 // The highest ResponseType: Deserialize refuses any above it (move it when adding one).
 constexpr ResponseType kLastResponseType = ResponseType::kProcessSetRemoved;
 

@@ -163,180 +163,207 @@ void Coordinator::Add(int rank, const RequestList& list, Clock::time_point now) 
   }
 }
 
-Response Coordinator::Validate(const std::string& name, const PendingTensor& p) const {
-  const std::vector<RequestMeta>& metas = p.per_rank;
+// What every collective's check shares: the requests of the ranks that submitted the tensor,
+// the ranks of its set that joined without it, whether the requests agree, the set's members,
+// and the answer so far (names, dtype, set, joined ranks).
+struct Coordinator::Check {
+  const std::string& name;
+  const PendingTensor& p;
   std::vector<int> present, joined;
-  for (int r = 0; r < options_.size; ++r) {
-    if (p.submitted[r]) {
-      present.push_back(r);
-    } else if (p.required[r]) {
-      joined.push_back(r);
-    }
-  }
-  const RequestMeta& first = metas[present.front()];
-  Response error;
-  error.type = ResponseType::kError;
-  error.names = {name};
-  auto fail = [&](const std::string& what) {
-    error.error = "perseus_legacy: " + Quoted(first.type, name) + ": " + what;
-    return error;
-  };
+  bool agree = false;
+  const std::vector<int>* members = nullptr;
+  Response ok;
 
-  const bool agree = AllAgree(metas, present);
-  std::string m;
-  if (!agree) {
-    m = Mismatch(metas, present, "collective",
-                 [](const RequestMeta& r) { return CollectiveTypeName(r.type); });
-  }
-  if (!m.empty()) {
-    error.error = "perseus_legacy: \"" + name + "\": " + m;
+  const std::vector<RequestMeta>& metas() const { return p.per_rank; }
+  const RequestMeta& first() const { return p.per_rank[present.front()]; }
+  int size() const { return static_cast<int>(members->size()); }
+
+  // The kError response for this tensor, saying `what`.
+  Response Fail(const std::string& what) const {
+    Response error;
+    error.type = ResponseType::kError;
+    error.names = {name};
+    error.error = "perseus_legacy: " + Quoted(first().type, name) + ": " + what;
     return error;
   }
-  if (!agree) {
-    m = Mismatch(metas, present, "process set",
-                 [this](const RequestMeta& r) { return SetDescription(r.process_set_id); });
-    if (m.empty()) {
-      m = Mismatch(metas, present, "dtype",
-                   [](const RequestMeta& r) { return DataTypeName(r.dtype); });
-    }
-    if (!m.empty()) return fail(m);
+  // Mismatch() of one field over the ranks that submitted the tensor.
+  template <typename ValueOf>
+  std::string Mismatching(const char* what, ValueOf value_of) const {
+    return Mismatch(metas(), present, what, value_of);
   }
-  auto set = sets_.find(first.process_set_id);
-  if (set == sets_.end()) return fail(SetDescription(first.process_set_id));
-  const std::vector<int>& members = set->second;
-  if (first.process_set_id != 0 && !joined.empty()) {
-    return fail("ranks " + RankList(joined) + " of " + SetDescription(first.process_set_id) +
-                " have joined (perseus_legacy.join()), which covers the global process set "
-                "only");
+  std::string ShapeMismatch() const {
+    return Mismatching("shape", [](const RequestMeta& r) { return ShapeString(r.shape); });
   }
-
-  auto shape_of = [](const RequestMeta& r) { return ShapeString(r.shape); };
-  auto trailing_of = [](const RequestMeta& r) { return ShapeString(TrailingDims(r.shape)); };
-  auto needs_dims = [&]() -> std::string {
+  // Allgather and alltoall: every rank passed a tensor with a first dimension, and the rest of
+  // the shape agrees.
+  std::string RaggedShapeMismatch() const {
     std::vector<int> scalars;
     for (int r : present) {
-      if (metas[r].shape.empty()) scalars.push_back(r);
+      if (metas()[r].shape.empty()) scalars.push_back(r);
     }
-    if (scalars.empty()) return "";
-    return "needs at least one dimension, but ranks " + RankList(scalars) + " passed a scalar";
-  };
+    if (!scalars.empty()) {
+      return "needs at least one dimension, but ranks " + RankList(scalars) + " passed a scalar";
+    }
+    if (agree) return "";
+    return Mismatching("shape beyond the first dimension",
+                       [](const RequestMeta& r) { return ShapeString(TrailingDims(r.shape)); });
+  }
+};
 
-  Response ok;
-  ok.names = {name};
-  ok.dtype = first.dtype;
-  ok.process_set_id = first.process_set_id;
-  const int size = static_cast<int>(members.size());
-  if (!joined.empty()) {
-    ok.joined_ranks.assign(joined.begin(), joined.end());
-    ok.shape = first.shape;
+Response Coordinator::Validate(const std::string& name, const PendingTensor& p) const {
+  Check c{name, p};
+  for (int r = 0; r < options_.size; ++r) {
+    if (p.submitted[r]) {
+      c.present.push_back(r);
+    } else if (p.required[r]) {
+      c.joined.push_back(r);
+    }
+  }
+  const RequestMeta& first = c.first();
+  c.agree = AllAgree(p.per_rank, c.present);
+  if (!c.agree) {
+    std::string m = c.Mismatching(
+        "collective", [](const RequestMeta& r) { return CollectiveTypeName(r.type); });
+    if (!m.empty()) {
+      Response error = c.Fail(m);
+      error.error = "perseus_legacy: \"" + name + "\": " + m;  // no one type to name it by
+      return error;
+    }
+    m = c.Mismatching("process set",
+                      [this](const RequestMeta& r) { return SetDescription(r.process_set_id); });
+    if (m.empty()) {
+      m = c.Mismatching("dtype", [](const RequestMeta& r) { return DataTypeName(r.dtype); });
+    }
+    if (!m.empty()) return c.Fail(m);
+  }
+  auto set = sets_.find(first.process_set_id);
+  if (set == sets_.end()) return c.Fail(SetDescription(first.process_set_id));
+  c.members = &set->second;
+  if (first.process_set_id != 0 && !c.joined.empty()) {
+    return c.Fail("ranks " + RankList(c.joined) + " of " + SetDescription(first.process_set_id) +
+                  " have joined (perseus_legacy.join()), which covers the global process set "
+                  "only");
+  }
+  c.ok.names = {name};
+  c.ok.dtype = first.dtype;
+  c.ok.process_set_id = first.process_set_id;
+  if (!c.joined.empty()) {
+    c.ok.joined_ranks.assign(c.joined.begin(), c.joined.end());
+    c.ok.shape = first.shape;
   }
   switch (first.type) {
-    case CollectiveType::kAllreduce: {
-      if (first.dtype == DataType::kBool) {
-        return fail("bool tensors cannot be reduced; cast them to an integer type first");
-      }
-      if (!agree) {
-        m = Mismatch(metas, present, "reduce op",
-                     [](const RequestMeta& r) { return ReduceOpName(r.reduce_op); });
-        if (m.empty()) {
-          m = Mismatch(metas, present, "prescale_factor",
-                       [](const RequestMeta& r) { return NumberString(r.prescale_factor); });
-        }
-        if (m.empty()) {
-          m = Mismatch(metas, present, "postscale_factor",
-                       [](const RequestMeta& r) { return NumberString(r.postscale_factor); });
-        }
-        if (m.empty()) m = Mismatch(metas, present, "shape", shape_of);
-        if (!m.empty()) return fail(m);
-      }
-      ok.type = ResponseType::kAllreduce;
-      ok.reduce_op = first.reduce_op;
-      ok.prescale_factor = first.prescale_factor;
-      ok.postscale_factor = first.postscale_factor;
-      if (!joined.empty()) ok.sizes = {NumElements(first.shape)};
-      return ok;
-    }
-    case CollectiveType::kBroadcast: {
-      if (!agree) {
-        m = Mismatch(metas, present, "root_rank",
-                     [](const RequestMeta& r) { return std::to_string(r.root_rank); });
-        if (m.empty()) m = Mismatch(metas, present, "shape", shape_of);
-        if (!m.empty()) return fail(m);
-      }
-      if (first.root_rank < 0 || first.root_rank >= options_.size) {
-        return fail("root_rank " + std::to_string(first.root_rank) + " is out of range for " +
-                    std::to_string(options_.size) + " ranks");
-      }
-      const auto root = std::find(members.begin(), members.end(), first.root_rank);
-      if (root == members.end()) {
-        return fail("root_rank " + std::to_string(first.root_rank) + " is not in " +
-                    SetDescription(first.process_set_id));
-      }
-      if (!p.submitted[first.root_rank]) {
-        return fail("root_rank " + std::to_string(first.root_rank) +
-                    " has joined (perseus_legacy.join()) without submitting it, so there is "
-                    "nothing to broadcast");
-      }
-      ok.type = ResponseType::kBroadcast;
-      ok.root_rank = static_cast<int32_t>(root - members.begin());
-      return ok;
-    }
-    case CollectiveType::kAllgather: {
-      m = needs_dims();
-      if (m.empty() && !agree) {
-        m = Mismatch(metas, present, "shape beyond the first dimension", trailing_of);
-      }
-      if (!m.empty()) return fail(m);
-      ok.type = ResponseType::kAllgather;
-      for (int r : members) ok.sizes.push_back(p.submitted[r] ? metas[r].shape[0] : 0);
-      return ok;
-    }
-    case CollectiveType::kAlltoall: {
-      if (!joined.empty()) {
-        return fail("cannot run while ranks " + RankList(joined) +
-                    " have joined (perseus_legacy.join()); alltoall needs data from every rank");
-      }
-      m = needs_dims();
-      if (m.empty() && !agree) {
-        m = Mismatch(metas, present, "shape beyond the first dimension", trailing_of);
-      }
-      if (!m.empty()) return fail(m);
-      ok.type = ResponseType::kAlltoall;
-      ok.sizes.reserve(static_cast<size_t>(size) * size);
-      for (int r : members) {
-        const RequestMeta& meta = metas[r];
-        const int64_t rows = meta.shape[0];
-        const std::string where = " on rank " + std::to_string(r);
-        if (meta.splits.empty()) {
-          if (rows % size != 0) {
-            return fail("first dimension " + std::to_string(rows) + where +
-                        " is not divisible by " + std::to_string(size) +
-                        " ranks; pass splits");
-          }
-          ok.sizes.insert(ok.sizes.end(), size, rows / size);
-          continue;
-        }
-        if (static_cast<int>(meta.splits.size()) != size) {
-          return fail("splits " + ShapeString(meta.splits) + where + " have " +
-                      std::to_string(meta.splits.size()) + " entries, expected " +
-                      std::to_string(size) + " (one per rank)");
-        }
-        int64_t sum = 0;
-        for (int64_t s : meta.splits) {
-          if (s < 0) return fail("splits " + ShapeString(meta.splits) + where + " are negative");
-          sum += s;
-        }
-        if (sum != rows) {
-          return fail("splits " + ShapeString(meta.splits) + where + " sum to " +
-                      std::to_string(sum) + " but the first dimension is " +
-                      std::to_string(rows));
-        }
-        ok.sizes.insert(ok.sizes.end(), meta.splits.begin(), meta.splits.end());
-      }
-      return ok;
-    }
+    case CollectiveType::kAllreduce: return ValidateAllreduce(c);
+    case CollectiveType::kAllgather: return ValidateAllgather(c);
+    case CollectiveType::kBroadcast: return ValidateBroadcast(c);
+    case CollectiveType::kAlltoall: return ValidateAlltoall(c);
   }
-  return fail("unknown collective type");
+  return c.Fail("unknown collective type");  // Deserialize refuses it before it gets here
+}
+
+Response Coordinator::ValidateAllreduce(const Check& c) const {
+  const RequestMeta& first = c.first();
+  if (first.dtype == DataType::kBool) {
+    return c.Fail("bool tensors cannot be reduced; cast them to an integer type first");
+  }
+  if (!c.agree) {
+    std::string m = c.Mismatching(
+        "reduce op", [](const RequestMeta& r) { return ReduceOpName(r.reduce_op); });
+    if (m.empty()) {
+      m = c.Mismatching("prescale_factor",
+                        [](const RequestMeta& r) { return NumberString(r.prescale_factor); });
+    }
+    if (m.empty()) {
+      m = c.Mismatching("postscale_factor",
+                        [](const RequestMeta& r) { return NumberString(r.postscale_factor); });
+    }
+    if (m.empty()) m = c.ShapeMismatch();
+    if (!m.empty()) return c.Fail(m);
+  }
+  Response ok = c.ok;
+  ok.type = ResponseType::kAllreduce;
+  ok.reduce_op = first.reduce_op;
+  ok.prescale_factor = first.prescale_factor;
+  ok.postscale_factor = first.postscale_factor;
+  if (!c.joined.empty()) ok.sizes = {NumElements(first.shape)};
+  return ok;
+}
+
+Response Coordinator::ValidateBroadcast(const Check& c) const {
+  const RequestMeta& first = c.first();
+  if (!c.agree) {
+    std::string m = c.Mismatching(
+        "root_rank", [](const RequestMeta& r) { return std::to_string(r.root_rank); });
+    if (m.empty()) m = c.ShapeMismatch();
+    if (!m.empty()) return c.Fail(m);
+  }
+  const std::string root_rank = "root_rank " + std::to_string(first.root_rank);
+  if (first.root_rank < 0 || first.root_rank >= options_.size) {
+    return c.Fail(root_rank + " is out of range for " + std::to_string(options_.size) +
+                  " ranks");
+  }
+  const auto root = std::find(c.members->begin(), c.members->end(), first.root_rank);
+  if (root == c.members->end()) {
+    return c.Fail(root_rank + " is not in " + SetDescription(first.process_set_id));
+  }
+  if (!c.p.submitted[first.root_rank]) {
+    return c.Fail(root_rank + " has joined (perseus_legacy.join()) without submitting it, so "
+                  "there is nothing to broadcast");
+  }
+  Response ok = c.ok;
+  ok.type = ResponseType::kBroadcast;
+  ok.root_rank = static_cast<int32_t>(root - c.members->begin());
+  return ok;
+}
+
+Response Coordinator::ValidateAllgather(const Check& c) const {
+  const std::string m = c.RaggedShapeMismatch();
+  if (!m.empty()) return c.Fail(m);
+  Response ok = c.ok;
+  ok.type = ResponseType::kAllgather;
+  for (int r : *c.members) ok.sizes.push_back(c.p.submitted[r] ? c.metas()[r].shape[0] : 0);
+  return ok;
+}
+
+Response Coordinator::ValidateAlltoall(const Check& c) const {
+  if (!c.joined.empty()) {
+    return c.Fail("cannot run while ranks " + RankList(c.joined) +
+                  " have joined (perseus_legacy.join()); alltoall needs data from every rank");
+  }
+  const std::string m = c.RaggedShapeMismatch();
+  if (!m.empty()) return c.Fail(m);
+  const int size = c.size();
+  Response ok = c.ok;
+  ok.type = ResponseType::kAlltoall;
+  ok.sizes.reserve(static_cast<size_t>(size) * size);
+  for (int r : *c.members) {
+    const RequestMeta& meta = c.metas()[r];
+    const int64_t rows = meta.shape[0];
+    const std::string where = " on rank " + std::to_string(r);
+    if (meta.splits.empty()) {
+      if (rows % size != 0) {
+        return c.Fail("first dimension " + std::to_string(rows) + where +
+                      " is not divisible by " + std::to_string(size) + " ranks; pass splits");
+      }
+      ok.sizes.insert(ok.sizes.end(), size, rows / size);
+      continue;
+    }
+    const std::string splits = "splits " + ShapeString(meta.splits) + where;
+    if (static_cast<int>(meta.splits.size()) != size) {
+      return c.Fail(splits + " have " + std::to_string(meta.splits.size()) + " entries, "
+                    "expected " + std::to_string(size) + " (one per rank)");
+    }
+    int64_t sum = 0;
+    for (int64_t s : meta.splits) {
+      if (s < 0) return c.Fail(splits + " are negative");
+      sum += s;
+    }
+    if (sum != rows) {
+      return c.Fail(splits + " sum to " + std::to_string(sum) +
+                    " but the first dimension is " + std::to_string(rows));
+    }
+    ok.sizes.insert(ok.sizes.end(), meta.splits.begin(), meta.splits.end());
+  }
+  return ok;
 }
 
 ResponseList Coordinator::Plan(Clock::time_point now, std::string* stall_warning) {

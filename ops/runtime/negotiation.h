@@ -79,7 +79,14 @@ class Coordinator {
   // "the global process set", "process set 2 (ranks [0, 2])", for error messages.
   std::string SetDescription(int32_t id) const;
   void MarkReady(const std::string& name, PendingTensor* p);
+  // The response for a ready tensor: its collective's, or a kError saying what the ranks'
+  // requests disagree on or what no collective accepts. One Validate<Collective> per type.
+  struct Check;
   Response Validate(const std::string& name, const PendingTensor& p) const;
+  Response ValidateAllreduce(const Check& c) const;
+  Response ValidateAllgather(const Check& c) const;
+  Response ValidateBroadcast(const Check& c) const;
+  Response ValidateAlltoall(const Check& c) const;
   // The answer to the process-set change every rank has asked for (or an error naming the
   // ranks that disagree or have joined); pending tensors of a removed set fail before it.
   void SettleSetChange(std::vector<Response>* out);

@@ -79,8 +79,16 @@ Status ResponseExecutor::Run(const Response& response,
     case ResponseType::kBroadcast: return Broadcast(response, entry);
     case ResponseType::kAlltoall:  // the coordinator never runs it without every rank's data
       return entry ? Alltoall(response, *entry, op) : Status::Error("alltoall without data");
-    default: return Status::Error("unknown response type");
+    case ResponseType::kError:
+    case ResponseType::kShutdown:
+    case ResponseType::kFatal:
+    case ResponseType::kJoin:
+    case ResponseType::kProcessSetAdded:
+    case ResponseType::kProcessSetRemoved:
+      break;  // not collectives: the runtime's negotiation loop acts on them
   }
+  return Status::Error("response type " + std::to_string(static_cast<int>(response.type)) +
+                       " is not a collective");
 }
 
 Status ResponseExecutor::Allreduce(const Response& response,

@@ -240,16 +240,10 @@ Runtime& State() {
   return state;
 }
 
-// Which group Init with these arguments forms, in words.
-std::string GroupName(const std::string& transport, const TransportOptions& options) {
-  if (transport == "mpi") {
-    return options.mpi_comm_handle == 0
-               ? "MPI_COMM_WORLD"
-               : "the MPI communicator " + std::to_string(options.mpi_comm_handle);
-  }
-  std::string addresses;
-  for (const std::string& a : options.tcp.addresses) addresses += (addresses.empty() ? "" : ",") + a;
-  return transport + " rank " + std::to_string(options.tcp.rank) + " of " + addresses;
+// Which group Init with these arguments forms, in words (the transport's registration says).
+std::string GroupName(const std::string& name, const Transport* transport,
+                      const TransportOptions& options) {
+  return transport != nullptr && transport->group != nullptr ? transport->group(options) : name;
 }
 
 Status Runtime::Init(const std::string& name, const TransportOptions& options) {
@@ -257,7 +251,8 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   Status s = CheckNotForked("init()");
   if (!s.ok()) return s;
   std::lock_guard<std::mutex> init_lock(init_mu_);
-  const std::string group = GroupName(name, options);
+  const Transport* transport = FindTransport(name);
+  const std::string group = GroupName(name, transport, options);
   if (initialized_) {
     bool stopping;
     {
@@ -275,7 +270,6 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   }
   static const int at_fork = pthread_atfork(nullptr, nullptr, [] { State().AfterFork(); });
   static_cast<void>(at_fork);
-  const Transport* transport = FindTransport(name);
   if (transport == nullptr) {
     std::string known;
     for (const Transport& t : RegisteredTransports()) known += (known.empty() ? "" : ", ") + t.name;
@@ -835,8 +829,12 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
         Complete(mine_failed, Status::Error(response.error, ErrorKind::kMismatch));
         break;
       }
-      default:
+      case ResponseType::kAllreduce:
+      case ResponseType::kAllgather:
+      case ResponseType::kBroadcast:
+      case ResponseType::kAlltoall:
         if (!Execute(response, /*from_cache=*/false)) return false;
+        break;
     }
   }
   return true;
@@ -972,13 +970,6 @@ int LocalSize() { return State().local_size(); }
 int CrossRank() { return State().cross_rank(); }
 int CrossSize() { return State().cross_size(); }
 bool MpiThreadsSupported() { return State().threads_supported(); }
-std::vector<std::pair<std::string, bool>> Transports() {
-  std::vector<std::pair<std::string, bool>> all;
-  for (const Transport& transport : RegisteredTransports()) {
-    all.emplace_back(transport.name, transport.built);
-  }
-  return all;
-}
 std::string ControllerName() { return State().controller_name(); }
 Status Enqueue(CollectiveRequest request) {
   std::vector<CollectiveRequest> one;

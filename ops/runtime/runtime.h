@@ -46,8 +46,6 @@ int CrossRank();
 int CrossSize();
 
 bool MpiThreadsSupported();
-// Every registered transport's name and whether this build has it, in name order.
-std::vector<std::pair<std::string, bool>> Transports();
 // The transport of the current (or, after Shutdown, the last) Init; "" before the first.
 std::string ControllerName();
 

@@ -15,7 +15,7 @@ namespace perseus {
 
 class RuntimeStats {
  public:
-  static constexpr int kTypes = 4;  // CollectiveType: allreduce, allgather, broadcast, alltoall
+  static constexpr int kTypes = kCollectiveTypes;  // one counter of each kind per CollectiveType
 
   void Submitted(CollectiveType type, int64_t bytes) {
     Add(tensors_submitted_[Index(type)], 1);
@@ -54,7 +54,7 @@ class RuntimeStats {
   std::vector<std::pair<std::string, int64_t>> Snapshot() const;
 
  private:
-  static int Index(CollectiveType type) { return static_cast<int>(type) % kTypes; }
+  static int Index(CollectiveType type) { return static_cast<int>(type); }
 
   std::atomic<int64_t> tensors_submitted_[kTypes] = {};
   std::atomic<int64_t> bytes_submitted_[kTypes] = {};

@@ -224,7 +224,7 @@ struct Reduction {
   tf::Status Read(OpKernelConstruction* ctx) {
     int reduce_op = 0;
     TF_RETURN_IF_ERROR(ctx->GetAttr("reduce_op", &reduce_op));
-    if (reduce_op < 0 || reduce_op > static_cast<int>(ReduceOp::kProduct)) {
+    if (reduce_op < 0 || reduce_op > static_cast<int>(kLastReduceOp)) {
       return tf::errors::InvalidArgument("unknown reduce_op ", reduce_op,
                                          " (0=Average, 1=Sum, 2=Min, 3=Max, 4=Product)");
     }

@@ -184,7 +184,14 @@ Status CreateMpiController(const TransportOptions& options, std::unique_ptr<Cont
   return s;
 }
 
-const TransportRegistration kMpi({"mpi", "MPI", /*built=*/true, &CreateMpiController});
+std::string MpiGroupName(const TransportOptions& options) {
+  return options.mpi_comm_handle == 0
+             ? "MPI_COMM_WORLD"
+             : "the MPI communicator " + std::to_string(options.mpi_comm_handle);
+}
+
+const TransportRegistration kMpi(
+    {"mpi", "MPI", "init_mpi", /*built=*/true, &CreateMpiController, &MpiGroupName});
 
 template <typename Start>
 Status MpiController::StartAndWait(Start start, const char* what, WaitFor kind) {

@@ -437,7 +437,16 @@ Status CreateTcpController(const TransportOptions& transport_options,
   return s;
 }
 
-const TransportRegistration kTcp({"tcp", "TCP", /*built=*/true, &CreateTcpController});
+std::string TcpGroupName(const TransportOptions& options) {
+  std::string addresses;
+  for (const std::string& a : options.tcp.addresses) {
+    addresses += (addresses.empty() ? "" : ",") + a;
+  }
+  return "tcp rank " + std::to_string(options.tcp.rank) + " of " + addresses;
+}
+
+const TransportRegistration kTcp(
+    {"tcp", "TCP", "init_tcp", /*built=*/true, &CreateTcpController, &TcpGroupName});
 
 Status TcpController::Rendezvous() {
   const int me = options_.rank;

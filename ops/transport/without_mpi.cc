@@ -15,7 +15,7 @@ Status NoMpi(const TransportOptions& /*options*/, std::unique_ptr<Controller>* /
       "rebuild without PERSEUS_WITHOUT_MPI to run over MPI");
 }
 
-const TransportRegistration kMpi({"mpi", "MPI", /*built=*/false, &NoMpi});
+const TransportRegistration kMpi({"mpi", "MPI", "init_mpi", /*built=*/false, &NoMpi});
 
 }  // namespace
 }  // namespace perseus

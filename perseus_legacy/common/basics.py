@@ -66,9 +66,15 @@ def _join_group(comm: Any) -> None:
     if comm is None and elastic_client.enabled():
         _join_elastic_group()
         return
-    if comm is not None or tf_config.controller_from_env() == "mpi":
-        core().init(_comm_handle(comm), tf_config.start_timeout())
-        return
+    # An mpi4py communicator is an MPI group; without one, the environment names the transport.
+    JOINS["mpi" if comm is not None else tf_config.controller_from_env()](comm)
+
+
+def _join_mpi(comm: Any) -> None:
+    core().init_mpi(_comm_handle(comm), tf_config.start_timeout())
+
+
+def _join_tcp(comm: Any) -> None:
     cluster = tf_config.current_cluster()
     if cluster is None:
         raise tf_config.TFConfigError(
@@ -82,6 +88,11 @@ def _join_group(comm: Any) -> None:
     core().init_tcp(cluster.rank, list(cluster.addresses), cluster.local_rank,
                     cluster.local_size, cluster.cross_rank, cluster.cross_size,
                     tf_config.job_secret(), tf_config.start_timeout())
+
+
+# How init() joins over each transport the native core registers, each through the core function
+# its registration names (_core.transports()'s "binding"); tests/test_tcp.py compares the two.
+JOINS = {"mpi": _join_mpi, "tcp": _join_tcp}
 
 
 def _join_elastic_group() -> None:

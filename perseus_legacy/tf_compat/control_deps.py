@@ -9,7 +9,8 @@ nothing would be fused. Adding them to the set lets them run as the data allows.
 
 from __future__ import annotations
 
-# The op types of ops/tensorflow that a tf.function must not chain.
+# The op types of ops/tensorflow that a tf.function must not chain: every REGISTER_OP of
+# kernels.cc (tests/test_tf_compat_registry.py compares them with the loaded library).
 COLLECTIVE_OP_TYPES = ("PerseusAllreduce", "PerseusAllgather", "PerseusBroadcast",
                        "PerseusAlltoall", "PerseusGroupedAllreduce")
 

@@ -20,7 +20,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import ROOT, available, files_under, matrix_env, python_for, task_env, wait_all
+from harness import (
+    ROOT,
+    assert_values_close,
+    available,
+    files_under,
+    matrix_env,
+    python_for,
+    task_env,
+    wait_all,
+)
 
 from perseusrun.tcp_run import free_local_ports
 
@@ -146,13 +155,6 @@ def jobs():
     result.stop()
 
 
-def assert_close(got: dict, expected: dict, what: str) -> None:
-    assert sorted(got) == sorted(expected), (what, sorted(got), sorted(expected))
-    for name, want in expected.items():
-        np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL,
-                                   err_msg=f"{what}: {name}")
-
-
 @pytest.mark.parametrize("name", ["main", "tf215"])
 def test_chief_worker_and_evaluator_train_like_one_process_and_the_evaluator_exports(jobs, name):
     """Chief + worker train synchronously over the TCP group, no TF server anywhere; the
@@ -166,7 +168,7 @@ def test_chief_worker_and_evaluator_train_like_one_process_and_the_evaluator_exp
     reference = jobs.reference(JOBS[name][0])
     chief_values = job["variables"]["chief0"]
     assert int(chief_values["global_step"]) == STEPS
-    assert_close(chief_values, reference["variables"], f"{name} chief checkpoint")
+    assert_values_close(chief_values, reference["variables"], f"{name} chief checkpoint")
 
     records = job["records"]
     for who, record in records.items():

@@ -100,7 +100,7 @@ def check_stall_warning(rank: int) -> None:
 def check_reinit_on_subcommunicator(rank: int) -> None:
     """Ranks {0, 2} and {1} become separate groups; a tensor only rank 0 submits gives up."""
     sub = MPI.COMM_WORLD.Split(color=rank % 2, key=rank)
-    _core.init(MPI._handleof(sub))
+    _core.init_mpi(MPI._handleof(sub))
     expected_size = 2 if rank % 2 == 0 else 1
     if _core.size() != expected_size or _core.rank() != rank // 2:
         fail(rank, f"sub-communicator: rank {_core.rank()} size {_core.size()}")

@@ -34,7 +34,7 @@ def check_init_with_another_communicator(rank: int) -> None:
     basics.init()  # the same group again: nothing happens
     basics.init(comm=MPI.COMM_WORLD)  # the same group, named
     try:
-        _core.init(MPI._handleof(comm))
+        _core.init_mpi(MPI._handleof(comm))
     except RuntimeError as exc:
         if "init() was already called for MPI_COMM_WORLD" not in str(exc) or \
                 "call shutdown() first" not in str(exc):
@@ -42,7 +42,7 @@ def check_init_with_another_communicator(rank: int) -> None:
     else:
         fail(rank, "init() with another communicator while initialized did nothing")
     _core.shutdown()
-    _core.init(MPI._handleof(comm))
+    _core.init_mpi(MPI._handleof(comm))
     got = _core.allreduce(np.full(3, rank + 1.0), "lifecycle.sum", op=1)
     assert_close(rank, "lifecycle.sum", got, np.full(3, 3.0))
     _core.shutdown()

@@ -78,7 +78,7 @@ def late_rank_on_a_cached_name(rank: int, size: int) -> None:
 
 
 def main() -> None:
-    _core.init()
+    _core.init_mpi()
     rank, size = _core.rank(), _core.size()
     steps(rank, size, [f"few.{i}" for i in range(3)], 20, (5,), seed0=0)
     steps(rank, size, [f"many.{i}" for i in range(7)], 6, (2, 2), seed0=50_000)

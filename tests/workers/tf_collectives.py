@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, fail, rank_data
+from worker_util import assert_close, fail, rank_data, run_cases
 
 BF16 = tf.bfloat16.as_numpy_dtype
 REDUCIBLE = [np.float16, BF16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.int8,
@@ -392,24 +392,56 @@ def check_before_init(rank: int) -> None:
             fail(rank, f"unclear kernel error before init(): {exc}")
 
 
+COLLECTIVES = ("allreduce", "allgather", "broadcast", "alltoall", "grouped_allreduce")
+MODES = {"eager": run_eager, "graph": run_graph, "function": run_function}
+
+
+def named_cases(rank: int, size: int) -> dict:
+    """Every case by name: `<collective>_<mode>` runs build_cases' cases of that collective (every
+    dtype, op and shape) in eager, Session or tf.function mode, then the checks of their own."""
+    built = build_cases(rank, size)
+    cases = {}
+    for collective in COLLECTIVES:
+        mine = [case for case in built if case[0].split(" ")[0] == collective]
+        for mode, run in MODES.items():
+            cases[f"{collective}_{mode}"] = lambda run=run, mine=mine: run(rank, mine)
+    cases["fusion_of_200_small_tensors"] = lambda: check_fusion_of_many_small(rank, size)
+    cases["gradients"] = lambda: check_gradients(rank, size)
+    cases["large_outputs_are_not_overwritten"] = lambda: (
+        check_large_outputs_are_not_overwritten(rank, size))
+    cases["errors_name_the_tensor"] = lambda: check_errors(rank, size)
+    grouped = sum(1 for case in built if case[0].split(" ")[0] in COLLECTIVES)
+    if grouped != len(built) or set(cases) | {"before_init"} != set(CASES):
+        fail(rank, f"CASES and the cases built differ: {sorted(cases)} against {CASES}")
+    return cases
+
+
+# The case names, a literal: tests/test_tf_ops.py parametrizes over them (harness.worker_cases).
+CASES = (
+    "allreduce_eager", "allreduce_graph", "allreduce_function",
+    "allgather_eager", "allgather_graph", "allgather_function",
+    "broadcast_eager", "broadcast_graph", "broadcast_function",
+    "alltoall_eager", "alltoall_graph", "alltoall_function",
+    "grouped_allreduce_eager", "grouped_allreduce_graph", "grouped_allreduce_function",
+    "fusion_of_200_small_tensors", "gradients", "large_outputs_are_not_overwritten",
+    "errors_name_the_tensor", "before_init",
+)
+
+
 def main() -> None:
     tf.config.threading.set_inter_op_parallelism_threads(2)
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    rank_env = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
-    check_before_init(rank_env)
+    names = sys.argv[1:] or CASES
+    failed = []
+    if "before_init" in names:  # it runs before init(), so first
+        rank_env = int(os.environ.get("OMPI_COMM_WORLD_RANK",
+                                      os.environ.get("PERSEUS_TCP_RANK", "0")))
+        failed += run_cases(rank_env, {"before_init": lambda: check_before_init(rank_env)},
+                            ["before_init"])
     pl.init()
-    rank, size = pl.rank(), pl.size()
-    cases = build_cases(rank, size)
-    run_eager(rank, cases)
-    run_graph(rank, cases)
-    run_function(rank, cases)
-    check_fusion_of_many_small(rank, size)
-    check_gradients(rank, size)
-    check_large_outputs_are_not_overwritten(rank, size)
-    check_errors(rank, size)
-    print(f"[rank {rank}] OK: {len(cases)} cases x (eager, graph, tf.function), fusion, "
-          "gradients, errors", flush=True)
-    sys.stdout.flush()
+    failed += run_cases(pl.rank(), named_cases(pl.rank(), pl.size()),
+                        [name for name in names if name != "before_init"])
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

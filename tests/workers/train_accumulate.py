@@ -12,27 +12,16 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 # perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
 import perseus_legacy as pl
 
+import functools
+import sys
+
 import numpy as np
 import tensorflow as tf
-from train_models import (ATOL, CONFIG, OPTIMIZERS, RTOL, VAR_NAMES, build_model, global_batch,
-                          initial_values, local_batch)
-from worker_util import assert_close, fail
+from train_models import (OPTIMIZERS, assert_like_reference, build_model, initial_values,
+                          local_batch, monitored_session, reference, run_in_plain_session)
+from worker_util import assert_close, fail, run_cases
 
 UPDATES = 3
-
-
-def reference(opt_name: str, passes: int, loss_scale: float) -> list:
-    """Single process, plain TensorFlow: one step per `passes` global batches concatenated."""
-    with tf.Graph().as_default():
-        ids, targets, loss, global_step, variables = build_model(initial_values(0))
-        train = OPTIMIZERS[opt_name]().minimize(loss * loss_scale, global_step=global_step)
-        with tf.compat.v1.Session(config=CONFIG) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            for update in range(UPDATES):
-                batches = [global_batch(update * passes + p) for p in range(passes)]
-                sess.run(train, {ids: np.concatenate([b[0] for b in batches]),
-                                 targets: np.concatenate([b[1] for b in batches])})
-            return sess.run(variables)
 
 
 def distributed(opt_name: str, rank: int, size: int, mode: str, passes: int) -> list:
@@ -61,16 +50,9 @@ def distributed(opt_name: str, rank: int, size: int, mode: str, passes: int) -> 
             return final[:-1]
 
         if mode == "sync_replicas":
-            hook = opt.make_session_run_hook(pl.is_chief())
-            with tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=[hook], config=CONFIG, log_step_count_steps=None,
-                    save_summaries_steps=None, save_checkpoint_secs=None) as sess:
+            with monitored_session([opt.make_session_run_hook(pl.is_chief())]) as sess:
                 return run_steps(sess)
-        with tf.compat.v1.Session(config=CONFIG) as sess:
-            sess.run([tf.compat.v1.global_variables_initializer(),
-                      tf.compat.v1.local_variables_initializer()])
-            sess.run(pl.broadcast_global_variables(0))
-            return run_steps(sess)
+        return run_in_plain_session(run_steps)
 
 
 def check_refused(rank: int, size: int) -> None:
@@ -88,20 +70,30 @@ def check_refused(rank: int, size: int) -> None:
             fail(rank, f"SyncReplicasOptimizer({kwargs}) was accepted")
 
 
+# The case names, `<optimizer>_<mode>_x<passes>` and the refused settings (tests/test_training.py
+# parametrizes over them). DistributedOptimizer sums its passes: one step on passes x the loss.
+CASES = ("sgd_sync_replicas_x1", "sgd_sync_replicas_x2", "sgd_distributed_optimizer_x2",
+         "momentum_sync_replicas_x1", "momentum_sync_replicas_x2",
+         "momentum_distributed_optimizer_x2", "adam_sync_replicas_x1", "adam_sync_replicas_x2",
+         "adam_distributed_optimizer_x2", "refused_settings")
+
+
+def train(rank: int, size: int, case: str) -> None:
+    opt_name, rest = case.split("_", 1)
+    mode, passes = rest.rsplit("_x", 1)
+    passes = int(passes)
+    loss_scale = float(passes) if mode == "distributed_optimizer" else 1.0
+    got = distributed(opt_name, rank, size, mode, passes)
+    assert_like_reference(rank, f"{opt_name} {mode} x{passes}", got,
+                          reference(opt_name, UPDATES, passes, loss_scale))
+
+
 def main() -> None:
     pl.init()
     rank, size = pl.rank(), pl.size()
-    check_refused(rank, size)
-    for opt_name in OPTIMIZERS:
-        for mode, passes, loss_scale in (("sync_replicas", 1, 1.0), ("sync_replicas", 2, 1.0),
-                                         ("distributed_optimizer", 2, 2.0)):
-            expected = reference(opt_name, passes, loss_scale)
-            got = distributed(opt_name, rank, size, mode, passes)
-            for name, g, e in zip(VAR_NAMES, got, expected):
-                assert_close(rank, f"{opt_name} {mode} x{passes}: {name}", g, e, rtol=RTOL,
-                             atol=ATOL)
-    print(f"[rank {rank}] OK: SyncReplicasOptimizer x1/x2, DistributedOptimizer x2, "
-          "sgd/momentum/adam; refused settings", flush=True)
+    cases = {case: functools.partial(train, rank, size, case) for case in CASES}
+    cases["refused_settings"] = lambda: check_refused(rank, size)
+    sys.exit(1 if run_cases(rank, cases, sys.argv[1:] or None) else 0)
 
 
 if __name__ == "__main__":

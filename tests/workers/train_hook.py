@@ -11,13 +11,14 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 # perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
 import perseus_legacy as pl
 
-import numpy as np
-import tensorflow as tf
-from train_models import (ATOL, CONFIG, OPTIMIZERS, RTOL, STEPS, VAR_NAMES, build_model,
-                          initial_values, local_batch, reference, run_in_plain_session)
-from worker_util import assert_close, fail
+import functools
+import sys
 
-MODES = ("hook", "session", "hook+distributed_optimizer")
+import tensorflow as tf
+from train_models import (OPTIMIZERS, VAR_NAMES, assert_like_reference, build_model,
+                          initial_values, monitored_session, reference, run_in_plain_session,
+                          train_on_slices)
+from worker_util import fail, run_cases
 
 
 def collectives(graph: tf.Graph) -> list:
@@ -39,23 +40,14 @@ def distributed(opt_name: str, rank: int, size: int, mode: str) -> list:
             fail(rank, f"{opt_name} {mode}: collectives before the rewrite: {before}")
         what = f"{opt_name} {mode}"
 
+        model = (ids, targets, loss, global_step, variables)
+
         def run_steps(sess) -> list:
-            start = sess.run(variables + [global_step])
-            wanted = [initial_values(0)[n] for n in VAR_NAMES] + [np.int64(0)]
-            for name, got, want in zip(VAR_NAMES + ("global_step",), start, wanted):
-                assert_close(rank, f"{what}: {name} after the broadcast", got, want, rtol=0.0)
-            for step in range(STEPS):
-                batch_ids, batch_targets = local_batch(step, rank, size)
-                sess.run(train, {ids: batch_ids, targets: batch_targets})
-            final = sess.run(variables + [global_step])
-            assert_close(rank, f"{what}: global step", final[-1], np.int64(STEPS))
-            return final[:-1]
+            return train_on_slices(sess, rank, size, what, model, train)
 
         if mode.startswith("hook"):
             hook = pl.SyncReplicasHook()
-            with tf.compat.v1.train.MonitoredTrainingSession(
-                    hooks=[hook], config=CONFIG, log_step_count_steps=None,
-                    save_summaries_steps=None, save_checkpoint_secs=None) as sess:
+            with monitored_session([hook]) as sess:
                 # One gradient per variable (kernel, bias dense; embedding sparse), or none
                 # when DistributedOptimizer already averages them.
                 want = 0 if mode == "hook+distributed_optimizer" else len(VAR_NAMES)
@@ -78,16 +70,23 @@ def distributed(opt_name: str, rank: int, size: int, mode: str) -> list:
         return run_in_plain_session(run_steps)
 
 
+# The case names, `<optimizer>_<mode>` (tests/test_sync_replicas_hook.py parametrizes over them).
+CASES = ("sgd_hook", "sgd_session", "sgd_hook+distributed_optimizer",
+         "momentum_hook", "momentum_session", "momentum_hook+distributed_optimizer",
+         "adam_hook", "adam_session", "adam_hook+distributed_optimizer")
+
+
+def train(rank: int, size: int, case: str) -> None:
+    opt_name, mode = case.split("_", 1)
+    got = distributed(opt_name, rank, size, mode)
+    assert_like_reference(rank, f"{opt_name} {mode}", got, reference(opt_name))
+
+
 def main() -> None:
     pl.init()
     rank, size = pl.rank(), pl.size()
-    for opt_name in OPTIMIZERS:
-        expected = reference(opt_name)
-        for mode in MODES:
-            got = distributed(opt_name, rank, size, mode)
-            for name, g, e in zip(VAR_NAMES, got, expected):
-                assert_close(rank, f"{opt_name} {mode}: {name}", g, e, rtol=RTOL, atol=ATOL)
-    print(f"[rank {rank}] OK: sgd/momentum/adam x ({', '.join(MODES)})", flush=True)
+    cases = {case: functools.partial(train, rank, size, case) for case in CASES}
+    sys.exit(1 if run_cases(rank, cases, sys.argv[1:] or None) else 0)
 
 
 if __name__ == "__main__":

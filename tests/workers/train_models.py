@@ -12,12 +12,13 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 # perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
 import perseus_legacy as pl
 
+import functools
 import os
 import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, barrier, fail
+from worker_util import assert_close, barrier, fail, run_cases
 
 STEPS = 5
 GLOBAL_BATCH = 6  # divisible by 2 and 3
@@ -71,17 +72,52 @@ def build_model(init: dict, global_step_init: int = 0, inputs: tuple | None = No
     return ids, targets, loss, global_step, variables
 
 
-def reference(opt_name: str, steps: int = STEPS) -> list:
-    """Single process, plain TensorFlow, whole global batch, rank 0's initial values."""
+@functools.cache
+def reference(opt_name: str, steps: int = STEPS, passes: int = 1,
+              loss_scale: float = 1.0) -> list:
+    """Single process, plain TensorFlow, rank 0's initial values: `steps` steps, each on `passes`
+    global batches concatenated, of `loss_scale` x the loss."""
     with tf.Graph().as_default():
         ids, targets, loss, global_step, variables = build_model(initial_values(0))
-        train = OPTIMIZERS[opt_name]().minimize(loss, global_step=global_step)
+        train = OPTIMIZERS[opt_name]().minimize(loss * loss_scale, global_step=global_step)
         with tf.compat.v1.Session(config=CONFIG) as sess:
             sess.run(tf.compat.v1.global_variables_initializer())
             for step in range(steps):
-                batch_ids, batch_targets = global_batch(step)
-                sess.run(train, {ids: batch_ids, targets: batch_targets})
+                batches = [global_batch(step * passes + p) for p in range(passes)]
+                sess.run(train, {ids: np.concatenate([b[0] for b in batches]),
+                                 targets: np.concatenate([b[1] for b in batches])})
             return sess.run(variables)
+
+
+def assert_like_reference(rank: int, what: str, got: list, expected: list, rtol: float = RTOL,
+                          atol: float = ATOL) -> None:
+    """Every final variable of this rank within rtol/atol of the single-process reference's."""
+    for name, g, e in zip(VAR_NAMES, got, expected):
+        assert_close(rank, f"{what}: {name}", g, e, rtol=rtol, atol=atol)
+
+
+def train_on_slices(sess, rank: int, size: int, what: str, model: tuple, train) -> list:
+    """Checks that every rank starts from rank 0's initial values (the broadcast), runs STEPS
+    steps of `train` on this rank's slices, checks the global step; the final variable values."""
+    ids, targets, _, global_step, variables = model
+    start = sess.run(variables + [global_step])
+    wanted = [initial_values(0)[n] for n in VAR_NAMES] + [np.int64(0)]
+    for name, got, want in zip(VAR_NAMES + ("global_step",), start, wanted):
+        assert_close(rank, f"{what}: {name} after the broadcast", got, want, rtol=0.0)
+    for step in range(STEPS):
+        batch_ids, batch_targets = local_batch(step, rank, size)
+        sess.run(train, {ids: batch_ids, targets: batch_targets})
+    final = sess.run(variables + [global_step])
+    assert_close(rank, f"{what}: global step", final[-1], np.int64(STEPS))
+    return final[:-1]
+
+
+def monitored_session(hooks: list, **settings) -> tf.compat.v1.train.MonitoredTrainingSession:
+    """A MonitoredTrainingSession of CONFIG that writes no logs, summaries or checkpoints unless
+    `settings` ask for them."""
+    quiet = dict(config=CONFIG, log_step_count_steps=None, save_summaries_steps=None,
+                 save_checkpoint_secs=None)
+    return tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks, **{**quiet, **settings})
 
 
 def check_sparse_gradient(rank: int, opt: pl.DistributedOptimizer, loss, embedding) -> None:
@@ -108,32 +144,23 @@ def distributed(opt_name: str, rank: int, size: int, mode: str, compression=pl.C
             if len(halves) < 3:  # kernel, bias, embedding values
                 fail(rank, f"fp16 compression: only {len(halves)} float16 collectives")
 
+        model = (ids, targets, loss, global_step, variables)
+
         def run_steps(sess) -> list:
-            start = sess.run(variables + [global_step])
-            for name, got, want in zip(VAR_NAMES + ("global_step",), start,
-                                       [initial_values(0)[n] for n in VAR_NAMES] + [np.int64(0)]):
-                assert_close(rank, f"{opt_name} {mode}: {name} after the broadcast", got, want,
-                             rtol=0.0)
-            for step in range(STEPS):
-                batch_ids, batch_targets = local_batch(step, rank, size)
-                sess.run(train, {ids: batch_ids, targets: batch_targets})
-            final = sess.run(variables + [global_step])
-            assert_close(rank, f"{opt_name} {mode}: global step", final[-1], np.int64(STEPS))
-            return final[:-1]
+            return train_on_slices(sess, rank, size, f"{opt_name} {mode}", model, train)
 
         if mode == "monitored":
             hooks = [pl.BroadcastGlobalVariablesHook(0)]
-            with tf.compat.v1.train.MonitoredTrainingSession(
-                    checkpoint_dir=pl.checkpoint_dir(checkpoint_root), hooks=hooks,
-                    config=CONFIG, save_checkpoint_steps=2, save_summaries_steps=2,
-                    log_step_count_steps=None) as sess:
+            with monitored_session(hooks, checkpoint_dir=pl.checkpoint_dir(checkpoint_root),
+                                   save_checkpoint_steps=2, save_summaries_steps=2) as sess:
                 return run_steps(sess)
         return run_in_plain_session(run_steps)
 
 
 def run_in_plain_session(run_steps) -> list:
     """Initialises a plain Session, broadcasts rank 0's variables, then trains with run_steps."""
-    init = tf.compat.v1.global_variables_initializer()
+    init = [tf.compat.v1.global_variables_initializer(),
+            tf.compat.v1.local_variables_initializer()]
     broadcast = pl.broadcast_global_variables(0)
     with tf.compat.v1.Session(config=CONFIG) as sess:
         sess.run(init)
@@ -167,29 +194,37 @@ def check_checkpoint_files(rank: int, size: int, root: str, expected: list) -> N
     barrier("checkpoint read")  # nobody removes the directory while another rank reads it
 
 
+def named_cases(rank: int, size: int, root: str) -> dict:
+    """`<optimizer>_<mode>`: monitored (the Adam one also checks rank 0's checkpoints), session,
+    fp16 (a Session with Compression.fp16, for sgd and adam)."""
+    def train(opt_name: str, mode: str) -> None:
+        expected = reference(opt_name)
+        if mode == "fp16":
+            got = distributed(opt_name, rank, size, "session", pl.Compression.fp16)
+            assert_like_reference(rank, f"{opt_name} fp16", got, expected, FP16_RTOL, FP16_ATOL)
+            return
+        checkpoints = opt_name == "adam" and mode == "monitored"
+        got = distributed(opt_name, rank, size, mode,
+                          checkpoint_root=root if checkpoints else None)
+        assert_like_reference(rank, f"{opt_name} {mode}", got, expected)
+        if checkpoints:
+            check_checkpoint_files(rank, size, root, expected)
+
+    return {case: functools.partial(train, *case.split("_")) for case in CASES}
+
+
+# The case names (tests/test_training.py parametrizes over them).
+CASES = ("sgd_monitored", "sgd_session", "sgd_fp16", "momentum_monitored", "momentum_session",
+         "adam_monitored", "adam_session", "adam_fp16")
+
+
 def main() -> None:
     pl.init()
     rank, size = pl.rank(), pl.size()
-    shared = sys.argv[1]
-    root = os.path.join(shared, "ckpt")
+    root = os.path.join(sys.argv[1], "ckpt")
     if rank != 0 and pl.checkpoint_dir(root) is not None:
         fail(rank, "checkpoint_dir() is not None on a rank other than 0")
-    for opt_name in OPTIMIZERS:
-        expected = reference(opt_name)
-        for mode in ("monitored", "session"):
-            got = distributed(opt_name, rank, size, mode,
-                              checkpoint_root=root if opt_name == "adam" else None)
-            for name, g, e in zip(VAR_NAMES, got, expected):
-                assert_close(rank, f"{opt_name} {mode}: {name}", g, e, rtol=RTOL, atol=ATOL)
-            if opt_name == "adam" and mode == "monitored":
-                check_checkpoint_files(rank, size, root, expected)
-        if opt_name in ("sgd", "adam"):
-            got = distributed(opt_name, rank, size, "session", pl.Compression.fp16)
-            for name, g, e in zip(VAR_NAMES, got, expected):
-                assert_close(rank, f"{opt_name} fp16: {name}", g, e, rtol=FP16_RTOL,
-                             atol=FP16_ATOL)
-    print(f"[rank {rank}] OK: sgd/momentum/adam x (MonitoredTrainingSession, Session), fp16, "
-          "rank-0 checkpoints", flush=True)
+    sys.exit(1 if run_cases(rank, named_cases(rank, size, root), sys.argv[2:] or None) else 0)
 
 
 if __name__ == "__main__":

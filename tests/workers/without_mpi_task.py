@@ -24,7 +24,7 @@ SUM, AVERAGE = 1, 0
 
 def info() -> None:
     try:
-        _core.init()
+        _core.init_mpi()
         mpi_init = "init() over MPI succeeded"
     except RuntimeError as exc:
         mpi_init = str(exc)

@@ -10,14 +10,48 @@ import json
 import os
 import sys
 import time
-from typing import Callable
+import traceback
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 
+class CheckFailed(SystemExit):
+    """What fail() raises: the worker exits 1, or run_cases() reports the case and goes on."""
+
+    def __init__(self, message: str):
+        super().__init__(1)
+        self.message = message
+
+
 def fail(rank: int, message: str) -> None:
     print(f"[rank {rank}] FAILED: {message}", file=sys.stderr, flush=True)
-    sys.exit(1)
+    raise CheckFailed(message)
+
+
+def run_cases(rank: int, cases: dict[str, Callable[[], None]],
+              names: Sequence[str] | None = None) -> list[str]:
+    """Runs the cases `names` (every case if None) in order, printing `[rank R] CASE name: OK`
+    or `... FAILED: why` for each (tests/harness.py's CaseLaunch reads them); a failed case does
+    not stop the next. Returns the names of those that failed (exit non-zero if any did)."""
+    names = list(cases) if names is None else list(names)
+    unknown = sorted(set(names) - set(cases))
+    if unknown:
+        fail(rank, f"unknown cases {unknown}; known: {sorted(cases)}")
+    failed = []
+    for name in names:
+        try:
+            cases[name]()
+            verdict = "OK"
+        except CheckFailed as exc:
+            verdict = f"FAILED: {exc.message}"
+        except Exception as exc:  # an unexpected error fails this case only
+            traceback.print_exc()
+            verdict = f"FAILED: {type(exc).__name__}: {exc}"
+        if verdict != "OK":
+            failed.append(name)
+        print(f"[rank {rank}] CASE {name}: {verdict}", flush=True)
+    return failed
 
 
 def assert_close(rank: int, what: str, got, expected, rtol: float = 1e-6, atol: float = 0.0):
@@ -129,7 +163,7 @@ def init_core(core) -> int:
     from the PERSEUS_TCP_* variables `perseusrun --tcp` sets, else over MPI; returns the rank."""
     timeout = float(os.environ.get("PERSEUS_START_TIMEOUT", "120"))
     if "PERSEUS_TCP_RANK" not in os.environ:
-        core.init(0, timeout)
+        core.init_mpi(0, timeout)
         return core.rank()
     rank = int(os.environ["PERSEUS_TCP_RANK"])
     addresses = os.environ["PERSEUS_TCP_ADDRESSES"].split(",")
