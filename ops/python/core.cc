@@ -390,7 +390,8 @@ PYBIND11_MODULE(_core, m) {
   m.def(
       "init_tcp",
       [](int rank, std::vector<std::string> addresses, int local_rank, int local_size,
-         int cross_rank, int cross_size, std::string secret, double start_timeout) {
+         int cross_rank, int cross_size, std::string secret, double start_timeout,
+         double debug_resolve_secs) {
         TransportOptions options;
         TcpOptions& tcp = options.tcp;
         tcp.rank = rank;
@@ -401,11 +402,12 @@ PYBIND11_MODULE(_core, m) {
         tcp.cross_size = cross_size;
         tcp.secret = std::move(secret);
         tcp.start_timeout_secs = start_timeout;
+        tcp.debug_resolve_secs = debug_resolve_secs;
         InitOrRaise("tcp", options);
       },
       py::arg("rank"), py::arg("addresses"), py::arg("local_rank"), py::arg("local_size"),
       py::arg("cross_rank"), py::arg("cross_size"), py::arg("secret"),
-      py::arg("start_timeout") = 120.0,
+      py::arg("start_timeout") = 120.0, py::arg("debug_resolve_secs") = 0.0,
       "Joins the process group over TCP (collective): ranks meet at their `addresses` "
       "(host:port, rank order) and prove `secret`; MPI is never initialized.");
   m.def("shutdown", &Shutdown, py::call_guard<py::gil_scoped_release>(),

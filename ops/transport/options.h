@@ -17,6 +17,7 @@ struct TcpOptions {
   int local_rank = 0, local_size = 1, cross_rank = 0, cross_size = 1;
   std::string secret;                  // the job secret every rank must prove it knows
   double start_timeout_secs = 120.0;   // how long ranks wait for each other at start-up
+  double debug_resolve_secs = 0.0;     // tests only: every name lookup answers this late
 };
 
 // Every transport's options; each factory reads its own part.

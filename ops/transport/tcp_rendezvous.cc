@@ -144,20 +144,14 @@ struct Lookup {
   std::vector<Endpoint> endpoints;
 };
 
-// For tests only: PERSEUS_DEBUG_RESOLVE_SECS=S makes every lookup answer S seconds late, as a
-// slow resolver would (tests/test_tcp_rendezvous.py).
-double DebugResolveDelaySecs() {
-  const char* text = std::getenv("PERSEUS_DEBUG_RESOLVE_SECS");
-  return text == nullptr ? 0.0 : std::max(0.0, std::atof(text));
-}
-
 // getaddrinfo(host, port) on a helper thread, which owns its result: the call cannot be
 // interrupted and can block for the resolver's whole timeout (resolv.conf's attempts x
-// timeout), so whoever waits for it may stop waiting (WaitLookup) and leave it running.
-std::shared_ptr<Lookup> StartLookup(const std::string& host, const std::string& port) {
+// timeout), so whoever waits for it may stop waiting (WaitLookup) and leave it running. It
+// answers `delay` seconds late (tests only: a slow resolver).
+std::shared_ptr<Lookup> StartLookup(const std::string& host, const std::string& port,
+                                    double delay) {
   auto lookup = std::make_shared<Lookup>();
-  std::thread([lookup, host, port] {
-    const double delay = DebugResolveDelaySecs();
+  std::thread([lookup, host, port, delay] {
     if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
@@ -204,10 +198,17 @@ class ResolvedNames {
     static ResolvedNames names;
     return names;
   }
-  void Begin(const std::string& job) {
+  // `debug_delay_secs` (TcpOptions::debug_resolve_secs, tests only): every lookup of this
+  // start-up answers that late, as a slow resolver would (tests/test_tcp_rendezvous.py).
+  void Begin(const std::string& job, double debug_delay_secs) {
     std::lock_guard<std::mutex> lock(mutex_);
     job_ = job;
     found_.clear();
+    debug_delay_secs_ = debug_delay_secs;
+  }
+  double DebugDelaySecs() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return debug_delay_secs_;
   }
   bool Find(const std::string& job, const std::string& host, std::vector<Endpoint>* out) {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -227,6 +228,7 @@ class ResolvedNames {
   std::mutex mutex_;
   std::string job_;
   std::map<std::string, std::vector<Endpoint>> found_;
+  double debug_delay_secs_ = 0.0;
 };
 
 // `endpoints` with their port set to `port` (a cached name's addresses serve every rank on it).
@@ -250,7 +252,7 @@ bool LookupUntil(const std::string& job, const std::string& host, const std::str
     *rc = 0;
     return true;
   }
-  const auto lookup = StartLookup(host, port);
+  const auto lookup = StartLookup(host, port, ResolvedNames::Get().DebugDelaySecs());
   if (!WaitLookup(*lookup, until, rc, out)) return false;
   if (*rc == 0 && !out->empty()) ResolvedNames::Get().Keep(job, host, *out);
   return true;
@@ -456,7 +458,7 @@ Status TcpController::Rendezvous() {
   std::string job;
   for (const std::string& address : options_.addresses) job += address + "\n";
   job_digest_ = AsString(Sha256("perseus-job\n" + job));
-  ResolvedNames::Get().Begin(job_digest_);
+  ResolvedNames::Get().Begin(job_digest_, options_.debug_resolve_secs);
   std::vector<Endpoint> own;
   Status s = Resolve(job_digest_, options_.addresses[me], me, me, deadline, limit, &own);
   if (!s.ok()) return s;
@@ -605,7 +607,8 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
     if (SplitAddress(options_.addresses[peer], &name, &port_text) && !lookups.count(name)) {
       lookups[name] = {port_text, ResolvedNames::Get().Find(job_digest_, name, &cached)
                                       ? nullptr
-                                      : StartLookup(name, port_text)};
+                                      : StartLookup(name, port_text,
+                                                    ResolvedNames::Get().DebugDelaySecs())};
     }
   }
   const double lookups_until = std::min(deadline, Now() + kSourceLookupSecs);

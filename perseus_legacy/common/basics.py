@@ -87,7 +87,8 @@ def _join_tcp(comm: Any) -> None:
             "perseus_legacy.common.tf_config.current_cluster().is_rank first)")
     core().init_tcp(cluster.rank, list(cluster.addresses), cluster.local_rank,
                     cluster.local_size, cluster.cross_rank, cluster.cross_size,
-                    tf_config.job_secret(), tf_config.start_timeout())
+                    tf_config.job_secret(), tf_config.start_timeout(),
+                    debug_resolve_secs=tf_config.debug_resolve_secs())
 
 
 # How init() joins over each transport the native core registers, each through the core function
@@ -107,7 +108,8 @@ def _join_elastic_group() -> None:
         hosts = [address.rsplit(":", 1)[0] for address in place.addresses]
         try:
             core().init_tcp(place.rank, list(place.addresses), place.local_rank,
-                            place.local_size, place.cross_rank, place.cross_size, secret, timeout)
+                            place.local_size, place.cross_rank, place.cross_size, secret, timeout,
+                            debug_resolve_secs=tf_config.debug_resolve_secs())
             return
         except RuntimeError as exc:
             print(f"perseus_legacy elastic: {elastic_client.describe()} could not form the group "

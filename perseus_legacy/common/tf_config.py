@@ -243,6 +243,12 @@ def start_timeout(env: Mapping[str, str] | None = None) -> float:
                                     zero_allowed=False)
 
 
+def debug_resolve_secs(env: Mapping[str, str] | None = None) -> float:
+    """PERSEUS_DEBUG_RESOLVE_SECS (tests only): every TCP name lookup at init() answers that
+    late, as a slow resolver would."""
+    return perseus_env.read_seconds("PERSEUS_DEBUG_RESOLVE_SECS", 0.0, env)
+
+
 MIN_SECRET_BYTES = 16
 
 
