@@ -223,7 +223,10 @@ Status ResponseExecutor::Transport(const void* in, void* out, int64_t count, Dat
     }
     return s;
   }
-  *how = "flat";
+  // Flat: the controller's algorithm for this size and group (allreduce_algorithms.h).
+  const AllreduceAlgorithm algorithm = controller_.AllreduceAlgorithmFor(count, dtype);
+  stats_.AllreduceRan(algorithm);
+  *how = AllreduceAlgorithmName(algorithm);
   return controller_.Allreduce(in, out, count, dtype, op);
 }
 

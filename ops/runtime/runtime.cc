@@ -45,12 +45,18 @@ constexpr auto kAbortWait = std::chrono::seconds(10);
 // Settings that change which transfers a collective makes, or how the ranks' negotiation
 // messages line up, must be the same on every rank, or the ranks would wait on transfers the
 // others never make: PERSEUS_FUSION_THRESHOLD (each rank fuses the cache's answers itself),
-// PERSEUS_CACHE_CAPACITY (the cache's bit vectors and positions) and
-// PERSEUS_HIERARCHICAL_ALLREDUCE. Each setting's value as this rank has it, by name.
+// PERSEUS_CACHE_CAPACITY (the cache's bit vectors and positions),
+// PERSEUS_HIERARCHICAL_ALLREDUCE and the allreduce algorithm's settings (each rank picks the
+// algorithm itself). Each setting's value as this rank has it, by name.
 std::vector<std::pair<std::string, std::string>> SettingsThatMustAgree(const Settings& settings) {
   return {{"PERSEUS_FUSION_THRESHOLD", std::to_string(settings.fusion_threshold_bytes)},
           {"PERSEUS_CACHE_CAPACITY", std::to_string(settings.cache_capacity)},
-          {"PERSEUS_HIERARCHICAL_ALLREDUCE", HierarchicalName(settings.hierarchical)}};
+          {"PERSEUS_HIERARCHICAL_ALLREDUCE", HierarchicalName(settings.hierarchical)},
+          {"PERSEUS_ALLREDUCE_ALGORITHM", AllreduceAlgorithmName(settings.allreduce.algorithm)},
+          {"PERSEUS_ALLREDUCE_HOP_LATENCY_US",
+           std::to_string(settings.allreduce.hop_latency_secs * 1e6)},
+          {"PERSEUS_ALLREDUCE_LINK_GBIT",
+           std::to_string(settings.allreduce.link_bytes_per_sec * 8 / 1e9)}};
 }
 
 // Rank 0 gathers every rank's settings that must agree (over the control plane, whose waits name
@@ -287,6 +293,7 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   if (!s.ok()) return s;
   // Before the agreement, so that a rank lost during it fails the others within the limits.
   controller->SetWaitLimits(settings.stall_warning_secs, settings.stall_shutdown_secs);
+  controller->SetAllreducePolicy(settings.allreduce);
   if (settings.debug_fault == DebugFault::kStopAtAgreement &&
       settings.debug_fault_rank == controller->rank()) {
     std::raise(SIGSTOP);

@@ -63,6 +63,25 @@ Status ReadHierarchical(const char* name, Hierarchical* value) {
   return Invalid(name, text, "one of auto, 0, 1");
 }
 
+Status ReadAllreduce(AllreducePolicy* policy) {
+  const char* name = "PERSEUS_ALLREDUCE_ALGORITHM";
+  const char* text = Text(name);
+  if (text != nullptr && !ParseAllreduceAlgorithm(text, &policy->algorithm)) {
+    return Invalid(name, text, "one of auto, ring, halving_doubling, recursive_doubling");
+  }
+  double latency_us = policy->hop_latency_secs * 1e6;
+  Status s = ReadNumber("PERSEUS_ALLREDUCE_HOP_LATENCY_US", &latency_us);
+  if (!s.ok()) return s;
+  policy->hop_latency_secs = latency_us * 1e-6;
+  name = "PERSEUS_ALLREDUCE_LINK_GBIT";
+  double gbit = policy->link_bytes_per_sec * 8 / 1e9;
+  s = ReadNumber(name, &gbit);
+  if (!s.ok()) return s;
+  if (gbit <= 0) return Invalid(name, Text(name), "a positive number (Gbit/s)");
+  policy->link_bytes_per_sec = gbit * 1e9 / 8;
+  return Status::OK();
+}
+
 Status ReadDebugFault(const char* name, DebugFault* fault, int* rank) {
   const char* text = Text(name);
   if (text == nullptr) return Status::OK();
@@ -106,6 +125,7 @@ Status ReadSettings(Settings* settings) {
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &settings->stall_shutdown_secs);
   if (s.ok()) s = ReadCount("PERSEUS_CACHE_CAPACITY", &settings->cache_capacity);
   if (s.ok()) s = ReadHierarchical("PERSEUS_HIERARCHICAL_ALLREDUCE", &settings->hierarchical);
+  if (s.ok()) s = ReadAllreduce(&settings->allreduce);
   if (s.ok()) {
     s = ReadDebugFault("PERSEUS_DEBUG_FAULT", &settings->debug_fault, &settings->debug_fault_rank);
   }

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "common/common.h"
+#include "transport/allreduce_algorithms.h"
 
 namespace perseus {
 
@@ -48,6 +49,9 @@ struct Settings {
   size_t cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY; 0: no cache
   std::string timeline_path;                            // PERSEUS_TIMELINE; "": none
   Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
+  // PERSEUS_ALLREDUCE_ALGORITHM (auto, ring, halving_doubling, recursive_doubling) and the cost
+  // model's PERSEUS_ALLREDUCE_HOP_LATENCY_US (alpha) and PERSEUS_ALLREDUCE_LINK_GBIT (1 / beta).
+  AllreducePolicy allreduce;
   DebugFault debug_fault = DebugFault::kNone;           // PERSEUS_DEBUG_FAULT
   int debug_fault_rank = -1;
 };

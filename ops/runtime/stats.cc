@@ -24,6 +24,12 @@ std::vector<std::pair<std::string, int64_t>> RuntimeStats::Snapshot() const {
   out.emplace_back("hierarchical_allreduces", get(hierarchical_allreduces));
   out.emplace_back("pipelined_hierarchical_allreduces", get(pipelined_hierarchical_allreduces));
   out.emplace_back("single_rank_shortcuts", get(single_rank_shortcuts));
+  for (int i = 1; i < kAllreduceAlgorithms; ++i) {  // 0 is kAuto: never what ran
+    out.emplace_back(
+        std::string("allreduce_algorithms.") +
+            AllreduceAlgorithmName(static_cast<AllreduceAlgorithm>(i)),
+        get(allreduce_algorithms_[i]));
+  }
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/common.h"
+#include "transport/allreduce_algorithms.h"
 
 namespace perseus {
 
@@ -46,6 +47,11 @@ class RuntimeStats {
   // collectives a one-rank job completed on the submitting thread, with no round (runtime.cc)
   std::atomic<int64_t> single_rank_shortcuts{0};
 
+  // A flat allreduce (not hierarchical) ran `algorithm`: "allreduce_algorithms.ring", ...
+  void AllreduceRan(AllreduceAlgorithm algorithm) {
+    Add(allreduce_algorithms_[static_cast<int>(algorithm) % kAllreduceAlgorithms], 1);
+  }
+
   static void Add(std::atomic<int64_t>& counter, int64_t n) {
     counter.fetch_add(n, std::memory_order_relaxed);
   }
@@ -62,6 +68,7 @@ class RuntimeStats {
   std::atomic<int64_t> fused_groups_{0};
   std::atomic<int64_t> tensors_fused_{0};
   std::atomic<int64_t> collective_ids_{0};
+  std::atomic<int64_t> allreduce_algorithms_[kAllreduceAlgorithms] = {};
 };
 
 }  // namespace perseus

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/common.h"
+#include "transport/allreduce_algorithms.h"
 
 namespace perseus {
 
@@ -39,6 +40,15 @@ class Controller {
   // with this text instead of waiting on this rank until a limit. The controller is unusable
   // afterwards: every later call returns the reason.
   virtual void Abort(const std::string& reason) = 0;
+
+  // PERSEUS_ALLREDUCE_ALGORITHM and its cost model (allreduce_algorithms.h), passed once after
+  // set-up; a process set's controller follows its parent's.
+  virtual void SetAllreducePolicy(const AllreducePolicy& /*policy*/) {}
+  // The algorithm Allreduce runs for `count` elements of `dtype` (the same on every rank), for
+  // the counters and the timeline.
+  virtual AllreduceAlgorithm AllreduceAlgorithmFor(int64_t /*count*/, DataType /*dtype*/) const {
+    return AllreduceAlgorithm::kTransport;
+  }
 
   // Control plane. Collective: every rank calls each once per negotiation round.
   // `all` receives every rank's bytes on the coordinator (rank 0) and is left empty elsewhere.

@@ -68,6 +68,16 @@ class MpiController : public Controller {
   Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
                        ReduceOp op) override;
   Status AllgatherSegments(void* data, int64_t count, DataType dtype) override;
+  void SetAllreducePolicy(const AllreducePolicy& policy) override {
+    policy_ = policy;
+    for (MpiController* part : {local_data_.get(), cross_data_.get()}) {
+      if (part) part->SetAllreducePolicy(policy);
+    }
+  }
+  // Under PERSEUS_ALLREDUCE_ALGORITHM=auto: Open MPI's own allreduce (kTransport) below
+  // ring_min_bytes_, the cost model's choice from it; a named algorithm runs at every size
+  // (the ring from one element per rank).
+  AllreduceAlgorithm AllreduceAlgorithmFor(int64_t count, DataType dtype) const override;
   Controller* local() override { return local_data_.get(); }
   Controller* cross() override { return cross_data_.get(); }
   // A communicator split from the data communicator (MPI_Comm_split): collective over every rank.
@@ -93,6 +103,11 @@ class MpiController : public Controller {
   enum class RingPart { kAllreduce, kReduceScatter, kAllgather };
   Status Ring(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
               RingPart part);
+  // Halving-doubling or recursive doubling (AllreduceSchedule) of point-to-point messages.
+  Status Schedule(AllreduceAlgorithm algorithm, const void* in, void* out, int64_t count,
+                  DataType dtype, ReduceOp op);
+  // The receive buffer of a ring or a schedule step: `bytes`, or an error naming the size.
+  Status ScratchFor(size_t bytes, int64_t count, DataType dtype);
   // A v-collective beyond MPI's int counts (a block or a displacement of 2 GiB or more, in
   // bytes and in rows): step k sends `in` + send[(me + k) % n] to rank me + k and receives into
   // `out` + recv[(me - k) % n] from rank me - k, in messages of at most 1 GiB. Each span is
@@ -102,13 +117,11 @@ class MpiController : public Controller {
                           const std::vector<Span>& recv, const char* what);
   // The rank of the whole job that is rank `r` of this controller's communicator.
   int WorldRank(int r) const { return world_ranks_.empty() ? r : world_ranks_[r]; }
-  // What a wait is for: it sets how eagerly the wait polls (MPI moves data only inside MPI calls,
-  // so polling is progress) and how a failure is described.
+  // What a wait is for: how a failure is described (every kind polls alike: Wait).
   enum class WaitFor {
-    kNegotiation,  // a round with the coordinator: polled gently
-    kCollective,   // one nonblocking collective: polled eagerly
-    kRing,         // one chunk of the ring allreduce: polled gently, so that ranks sharing cores
-                   // leave them to the ranks that have data to add
+    kNegotiation,  // a round with the coordinator
+    kCollective,   // one nonblocking collective
+    kRing,         // a chunk of a ring allreduce or of a schedule step
     kStart,        // a step of the set-up, bounded by PERSEUS_START_TIMEOUT
   };
   // Another rank's abort notice, once one has arrived (the job's first controller holds the
@@ -164,6 +177,8 @@ class MpiController : public Controller {
   std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
   std::vector<char> slot_;
   std::vector<char> ring_scratch_;  // one received segment of a ring allreduce, before it is added
+  std::vector<char> exchange_;  // what recursive doubling sends while its receipts replace it
+  AllreducePolicy policy_;      // which allreduce algorithm runs (AllreduceAlgorithmFor)
 
   // The hierarchical allreduce's data planes (local(), cross()); null when it does not apply.
   std::unique_ptr<MpiController> local_data_, cross_data_;

@@ -1,6 +1,8 @@
 // The MPI transport's ring of point-to-point messages (reduce-scatter, then allgather), each rank
 // sending to the next and receiving from the previous: the allreduce of large tensors, and its
-// two halves on their own for the hierarchical allreduce (response_executor.cc). Every link
+// two halves on their own for the hierarchical allreduce (response_executor.cc); and the
+// halving-doubling and recursive doubling schedules (allreduce_algorithms.h) over the same
+// messages. Which one runs: AllreduceAlgorithmFor. Every link
 // carries 2(n-1)/n of the tensor, so a ring reaches the link rate across hosts, where Open MPI's
 // nonblocking allreduce picks a binomial tree (the whole tensor each way, half the rate) for 2
 // or 3 ranks and for in-place buffers. Each segment is reduced on one rank and then copied to
@@ -44,6 +46,98 @@ bool MpiController::UseRing(int64_t count, DataType dtype) const {
   return size_ > 1 && count >= size_ && bytes >= ring_min_bytes_;
 }
 
+AllreduceAlgorithm MpiController::AllreduceAlgorithmFor(int64_t count, DataType dtype) const {
+  if (size_ == 1 || count == 0) return AllreduceAlgorithm::kTransport;
+  const size_t bytes = static_cast<size_t>(count) * DataTypeSize(dtype);
+  switch (policy_.algorithm) {
+    case AllreduceAlgorithm::kAuto:
+      return UseRing(count, dtype) ? ChooseAllreduce(size_, bytes, policy_)
+                                   : AllreduceAlgorithm::kTransport;
+    case AllreduceAlgorithm::kRing:  // a segment per rank, at least one element each
+      return count >= size_ ? AllreduceAlgorithm::kRing : AllreduceAlgorithm::kTransport;
+    default:
+      return policy_.algorithm;
+  }
+}
+
+Status MpiController::ScratchFor(size_t bytes, int64_t count, DataType dtype) {
+  try {
+    if (ring_scratch_.size() < bytes) ring_scratch_.resize(bytes);
+  } catch (const std::bad_alloc&) {
+    // Nothing is posted yet: the error names the size instead of a bad_alloc on the thread.
+    return Failed(Status::Error("perseus_legacy: rank " + std::to_string(WorldRank(rank_)) +
+                                " cannot allocate " + std::to_string(bytes) +
+                                " bytes for the allreduce of " + std::to_string(count) + " " +
+                                DataTypeName(dtype) + " elements"));
+  }
+  return Status::OK();
+}
+
+// Each step posts its receives and sends in chunks (the ring's sizes: eager across hosts) and
+// combines each received chunk as it arrives.
+Status MpiController::Schedule(AllreduceAlgorithm algorithm, const void* in, void* out,
+                               int64_t count, DataType dtype, ReduceOp op) {
+  if (!failed_.ok()) return failed_;
+  const int64_t item = static_cast<int64_t>(DataTypeSize(dtype));
+  const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;
+  char* data = static_cast<char*>(out);
+  Status s;
+  for (const AllreduceStep& step : AllreduceSchedule(algorithm, size_, rank_, count)) {
+    const char* mine = step.from_input ? static_cast<const char*>(in) : data;
+    const int64_t send_bytes = step.send_peer >= 0 ? step.send_count * item : 0;
+    const int64_t recv_bytes = step.recv_peer >= 0 ? step.recv_count * item : 0;
+    const char* from = mine + step.send_first * item;
+    // Recursive doubling sends the values that its receipts replace: a copy is sent.
+    if (send_bytes > 0 && from == data + step.send_first * item && step.combine &&
+        step.send_first < step.recv_first + step.recv_count &&
+        step.recv_first < step.send_first + step.send_count) {
+      exchange_.assign(from, from + send_bytes);
+      from = exchange_.data();
+    }
+    if (step.combine && recv_bytes > 0) {
+      s = ScratchFor(static_cast<size_t>(recv_bytes), count, dtype);
+      if (!s.ok()) return s;
+    }
+    char* into = step.combine ? ring_scratch_.data() : data + step.recv_first * item;
+    const int64_t recv_chunks = (recv_bytes + chunk - 1) / chunk;
+    const int64_t send_chunks = (send_bytes + chunk - 1) / chunk;
+    std::vector<MPI_Request> receiving(static_cast<size_t>(recv_chunks), MPI_REQUEST_NULL);
+    std::vector<MPI_Request> sending(static_cast<size_t>(send_chunks), MPI_REQUEST_NULL);
+    const auto piece = [&](int64_t total, int64_t k) {
+      return static_cast<int>(std::min(chunk, total - k * chunk));
+    };
+    for (int64_t k = 0; s.ok() && k < recv_chunks; ++k) {
+      s = CheckRing(MPI_Irecv(into + k * chunk, piece(recv_bytes, k), MPI_BYTE, step.recv_peer,
+                              kRingTag, data_, &receiving[static_cast<size_t>(k)]),
+                    "MPI_Irecv");
+    }
+    for (int64_t k = 0; s.ok() && k < send_chunks; ++k) {
+      s = CheckRing(MPI_Isend(from + k * chunk, piece(send_bytes, k), MPI_BYTE, step.send_peer,
+                              kRingTag, data_, &sending[static_cast<size_t>(k)]),
+                    "MPI_Isend");
+    }
+    for (int64_t k = 0; s.ok() && k < recv_chunks; ++k) {
+      std::vector<MPI_Request> one{receiving[static_cast<size_t>(k)]};
+      receiving[static_cast<size_t>(k)] = MPI_REQUEST_NULL;
+      s = Wait(&one, {WorldRank(step.recv_peer)}, "allreduce", WaitFor::kRing);
+      if (s.ok() && step.combine) {
+        const int64_t at = step.recv_first * item + k * chunk;
+        const char* theirs = ring_scratch_.data() + k * chunk;
+        Reduce(dtype, op, step.mine_first ? mine + at : theirs,
+               step.mine_first ? theirs : mine + at, data + at, piece(recv_bytes, k) / item);
+      }
+    }
+    if (s.ok() && !sending.empty()) {
+      s = Wait(&sending, std::vector<int>(sending.size(), WorldRank(step.send_peer)), "allreduce",
+               WaitFor::kRing);
+    }
+    if (!s.ok()) break;
+  }
+  if (!s.ok() && failed_.ok()) failed_ = s;
+  if (s.ok() && ring_scratch_.size() > kKeptScratchBytes) std::vector<char>().swap(ring_scratch_);
+  return s;
+}
+
 Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dtype,
                            ReduceOp op, RingPart part) {
   if (!failed_.ok()) return failed_;
@@ -60,16 +154,8 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   // The same on every rank of the ring: the sizes of the chunks sent and received must agree.
   const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;
   if (part != RingPart::kAllgather) {
-    const size_t scratch = static_cast<size_t>((count / n + 1) * item);
-    try {
-      ring_scratch_.resize(scratch);
-    } catch (const std::bad_alloc&) {
-      // Nothing is posted yet: the error names the size instead of a bad_alloc on the thread.
-      return Failed(Status::Error("perseus_legacy: rank " + std::to_string(WorldRank(me)) +
-                                  " cannot allocate " + std::to_string(scratch) +
-                                  " bytes for the ring allreduce of " + std::to_string(count) +
-                                  " " + DataTypeName(dtype) + " elements"));
-    }
+    Status s = ScratchFor(static_cast<size_t>((count / n + 1) * item), count, dtype);
+    if (!s.ok()) return s;
   }
 
   // Steps [begin, end) of 2(n - 1): step j sends segment sent(j) to the next rank and receives

@@ -18,7 +18,8 @@
 // number, so an altered, injected, replayed or reordered frame fails the job naming the peer.
 // Data plane (tcp_ring.cc): raw bytes between pairs, moved by one nonblocking engine: ring
 // allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap; recursive doubling for small ones), ring allgatherv, pipelined chain broadcast,
+// overlap), halving-doubling and recursive doubling (allreduce_algorithms.h: the cost model
+// picks one per size and group), ring allgatherv, pipelined chain broadcast,
 // pairwise alltoallv. A closed socket, an abort notice or a peer silent for kPeerSilenceSecs (or
 // PERSEUS_STALL_SHUTDOWN_SECS when that is shorter: SetWaitLimits) fails the operation on every
 // rank with an error naming the peer.
@@ -33,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "transport/allreduce_algorithms.h"
 #include "transport/options.h"
 #include "transport/controller.h"
 #include "transport/tcp_auth.h"
@@ -78,6 +80,10 @@ class TcpController : public Controller {
   Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
                        ReduceOp op) override;
   Status AllgatherSegments(void* data, int64_t count, DataType dtype) override;
+  void SetAllreducePolicy(const AllreducePolicy& policy) override { policy_ = policy; }
+  AllreduceAlgorithm AllreduceAlgorithmFor(int64_t count, DataType dtype) const override {
+    return GroupAlgorithm(Everyone(), count, dtype);
+  }
   Controller* local() override { return local_.get(); }
   Controller* cross() override { return cross_.get(); }
   Status HierarchicalAllreduce(const void* in, void* out, int64_t count, DataType dtype,
@@ -96,9 +102,11 @@ class TcpController : public Controller {
   // The collectives over `group`; counts, splits and the root are by position in the group.
   Status GroupAllreduce(const Group& group, const void* in, void* out, int64_t count,
                         DataType dtype, ReduceOp op);
-  // Recursive doubling over a power-of-two group (GroupAllreduce's choice for small buffers).
-  Status GroupDoubling(const Group& group, const void* in, void* out, int64_t count,
-                       DataType dtype, ReduceOp op);
+  // What GroupAllreduce runs for `count` elements of `dtype` over `group` (the policy's choice).
+  AllreduceAlgorithm GroupAlgorithm(const Group& group, int64_t count, DataType dtype) const;
+  // Halving-doubling or recursive doubling over `group` (AllreduceSchedule), a step at a time.
+  Status GroupSchedule(const Group& group, AllreduceAlgorithm algorithm, const void* in, void* out,
+                       int64_t count, DataType dtype, ReduceOp op);
   // The ring allreduce's reduce-scatter, its allgather, or both (GroupAllreduce), with the
   // segments of Controller::ReduceScatter / AllgatherSegments.
   Status GroupRing(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
@@ -129,13 +137,14 @@ class TcpController : public Controller {
   };
   // Received pieces [0, steps) are reduced with `op` into their place in `out`, each with the
   // bytes at the same offset of `in` (which may be `out`); later ones land there as they are.
-  // steps == 0: nothing is reduced.
+  // steps == 0: nothing is reduced. mine_first: op(in, received), else op(received, in).
   struct Reduction {
     DataType dtype;
     ReduceOp op;
     size_t steps = 0;
     const char* in;
     const char* out;
+    bool mine_first = false;
   };
   // One transfer of the engine: `sends` to send_peer while receiving `recvs` from recv_peer.
   // With lag >= 0, send piece i waits for received piece i - lag, chunk by chunk (what a ring
@@ -204,6 +213,7 @@ class TcpController : public Controller {
   std::vector<Peer> peers_;
   std::vector<std::vector<char>> scratch_;  // per lane: one received chunk, before it is reduced
   std::vector<char> exchange_;  // what recursive doubling sends while `out` receives
+  AllreducePolicy policy_;      // which allreduce algorithm runs (GroupAlgorithm)
   Status failed_;              // the first failure; every later call returns it
   double silence_secs_ = kPeerSilenceSecs;  // how long a silent peer is waited for
   uint64_t control_received_ = 0;  // control bytes received so far (progress of a wait)

@@ -31,6 +31,9 @@ class TcpProcessSet : public Controller {
   }
   Status BroadcastFromCoordinator(std::string*) override { return NoControlPlane(); }
 
+  AllreduceAlgorithm AllreduceAlgorithmFor(int64_t count, DataType dtype) const override {
+    return mesh_.GroupAlgorithm(group_, count, dtype);
+  }
   Status Allreduce(const void* in, void* out, int64_t count, DataType dtype,
                    ReduceOp op) override {
     return mesh_.GroupAllreduce(group_, in, out, count, dtype, op);

@@ -1,8 +1,8 @@
 // The TCP transport's data plane: one nonblocking engine (Streams) and the collectives built on
 // it: ring allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap) and each of its halves, recursive doubling for small allreduces, the hierarchical
-// allreduce with its phases overlapped, ring allgatherv, pipelined chain broadcast, pairwise
-// alltoallv. Each runs over a Group of ranks: every rank, a process set's members, or a part of
+// overlap) and each of its halves, halving-doubling and recursive doubling
+// (allreduce_algorithms.h), the hierarchical allreduce with its phases overlapped, ring
+// allgatherv, pipelined chain broadcast, pairwise alltoallv. Each runs over a Group of ranks: every rank, a process set's members, or a part of
 // the hierarchical allreduce, over their connections of the mesh.
 #include <poll.h>
 #include <sys/socket.h>
@@ -18,12 +18,6 @@ namespace perseus {
 namespace {
 
 constexpr size_t kReduceChunkBytes = 256 << 10;
-// Allreduces up to this size over a power-of-two group run by recursive doubling: log2(n)
-// exchanges of the whole buffer instead of the ring's 2(n - 1) steps. For a small buffer the
-// steps' latency is the cost (each a wake-up on both sides and a trip across the link), not
-// its bytes: on 8 ranks the ring takes 14 steps, doubling 3, which carry 1.7x the ring's bytes
-// (log2(n) against 2(n - 1)/n times the buffer).
-constexpr size_t kDoublingMaxBytes = 64 << 10;
 
 // Hierarchical allreduces from this size overlap their phases on slices of about
 // kPipelineSliceBytes, at most kPipelineMaxSlices of them (PipelinedHierarchical). Below it
@@ -31,8 +25,6 @@ constexpr size_t kDoublingMaxBytes = 64 << 10;
 constexpr size_t kPipelineMinBytes = 4 << 20;
 constexpr size_t kPipelineSliceBytes = 2 << 20;
 constexpr size_t kPipelineMaxSlices = 16;
-
-bool PowerOfTwo(int n) { return n > 0 && (n & (n - 1)) == 0; }
 
 }  // namespace
 
@@ -126,8 +118,10 @@ Status TcpController::Streams(const std::vector<Lane>& lanes) {
             if (p.chunk_fill == p.chunk || p.received == piece.bytes) {
               char* place = piece.data + p.landed;
               const Reduction& r = lane.reduction;
-              Reduce(r.dtype, r.op, scratch_[i].data(), r.in + (place - r.out), place,
-                     static_cast<int64_t>(p.chunk_fill / p.item));
+              const char* mine = r.in + (place - r.out);
+              const char* theirs = scratch_[i].data();
+              Reduce(r.dtype, r.op, r.mine_first ? mine : theirs, r.mine_first ? theirs : mine,
+                     place, static_cast<int64_t>(p.chunk_fill / p.item));
               p.landed += p.chunk_fill;
               p.chunk_fill = 0;
             }
@@ -209,35 +203,59 @@ Status TcpController::AllgatherSegments(void* data, int64_t count, DataType dtyp
   return GroupRing(Everyone(), data, data, count, dtype, ReduceOp::kSum, false, true);
 }
 
+AllreduceAlgorithm TcpController::GroupAlgorithm(const Group& group, int64_t count,
+                                                 DataType dtype) const {
+  if (group.size() == 1 || count == 0) return AllreduceAlgorithm::kRing;  // nothing moves
+  return ChooseAllreduce(group.size(), static_cast<size_t>(count) * DataTypeSize(dtype), policy_);
+}
+
 Status TcpController::GroupAllreduce(const Group& group, const void* in, void* out,
                                      int64_t count, DataType dtype, ReduceOp op) {
-  // The choice depends only on what every rank of the group has alike (size, count, dtype).
-  if (group.size() > 1 && PowerOfTwo(group.size()) &&
-      static_cast<size_t>(count) * DataTypeSize(dtype) <= kDoublingMaxBytes) {
-    return GroupDoubling(group, in, out, count, dtype, op);
+  // The choice depends only on what every rank of the group has alike (size, count, dtype, the
+  // policy).
+  const AllreduceAlgorithm algorithm = GroupAlgorithm(group, count, dtype);
+  if (algorithm == AllreduceAlgorithm::kHalvingDoubling ||
+      algorithm == AllreduceAlgorithm::kRecursiveDoubling) {
+    return GroupSchedule(group, algorithm, in, out, count, dtype, op);
   }
   return GroupRing(group, in, out, count, dtype, op, true, true);
 }
 
-// Exchange k swaps the partial result with the rank whose position differs in bit k and
-// combines the two. Both sides compute op(theirs, mine) and op(mine, theirs) over the same
-// values; every op is commutative, so every rank ends with the same bits.
-Status TcpController::GroupDoubling(const Group& group, const void* in, void* out, int64_t count,
-                                    DataType dtype, ReduceOp op) {
+// Each step is one lane of the engine: what it receives is combined as it arrives, chunk by
+// chunk, with this rank's current values (its input until the first combination, then `out`).
+Status TcpController::GroupSchedule(const Group& group, AllreduceAlgorithm algorithm,
+                                    const void* in, void* out, int64_t count, DataType dtype,
+                                    ReduceOp op) {
   if (!failed_.ok()) return failed_;
-  const size_t bytes = static_cast<size_t>(count) * DataTypeSize(dtype);
+  const size_t item = DataTypeSize(dtype);
   char* data = static_cast<char*>(out);
-  const char* mine = static_cast<const char*>(in);  // what this rank holds before exchange k
-  for (int bit = 1; bit < group.size(); bit <<= 1) {
-    if (mine == data) {  // received bytes land in `out`, which must not be what is being sent
-      exchange_.assign(data, data + bytes);
-      mine = exchange_.data();
+  for (const AllreduceStep& step : AllreduceSchedule(algorithm, group.size(), group.me, count)) {
+    const char* mine = step.from_input ? static_cast<const char*>(in) : data;
+    Lane lane;
+    lane.reduction = Reduction{dtype, op, step.combine ? size_t{1} : 0, mine, data,
+                               step.mine_first};
+    if (step.send_peer >= 0 && step.send_count > 0) {
+      const char* from = mine + step.send_first * static_cast<int64_t>(item);
+      const size_t bytes = static_cast<size_t>(step.send_count) * item;
+      // Recursive doubling sends the values that its receipts replace: a copy is sent.
+      if (from == data + step.send_first * static_cast<int64_t>(item) && step.combine &&
+          step.recv_count > 0 && step.send_first < step.recv_first + step.recv_count &&
+          step.recv_first < step.send_first + step.send_count) {
+        exchange_.assign(from, from + bytes);
+        from = exchange_.data();
+      }
+      lane.send_peer = group.ranks[step.send_peer];
+      lane.sends.push_back({const_cast<char*>(from), bytes});
     }
-    const int partner = group.ranks[group.me ^ bit];
-    Status s = Streams({{partner, {{const_cast<char*>(mine), bytes}}, partner, {{data, bytes}},
-                         -1, {dtype, op, 1, mine, data}}});
+    if (step.recv_peer >= 0 && step.recv_count > 0) {
+      lane.recv_peer = group.ranks[step.recv_peer];
+      lane.recvs.push_back({data + step.recv_first * static_cast<int64_t>(item),
+                            static_cast<size_t>(step.recv_count) * item});
+    } else {
+      lane.reduction.steps = 0;
+    }
+    Status s = Streams({lane});
     if (!s.ok()) return s;
-    mine = data;
   }
   return Status::OK();
 }

@@ -221,7 +221,9 @@ def runtime_stats() -> dict:
     "pipelined_hierarchical_allreduces" (those of them whose phases overlapped on slices of a
     large tensor: docs/design.md),
     "single_rank_shortcuts" (allreduces and broadcasts of a one-rank job, which complete on the
-    submitting thread with no negotiation, unless a timeline runs).
+    submitting thread with no negotiation, unless a timeline runs),
+    "allreduce_algorithms" (flat allreduce collectives by the algorithm that ran: "ring",
+    "halving_doubling", "recursive_doubling", "transport" for MPI's own; docs/design.md).
     """
     return dict(core().runtime_stats())
 

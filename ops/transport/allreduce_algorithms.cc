@@ -1,0 +1,172 @@
+// The allreduce algorithms' cost model and schedules (see allreduce_algorithms.h).
+#include "transport/allreduce_algorithms.h"
+
+#include <utility>
+
+namespace perseus {
+namespace {
+
+// gamma: combining one received byte with one's own (a float32 sum streams about 2 GB/s on a
+// loaded core). It keeps two ranks on the ring for large tensors, where recursive doubling
+// would move as many bytes over the link but combine twice as many.
+constexpr double kReduceSecsPerByte = 0.5e-9;
+
+constexpr const char* kNames[kAllreduceAlgorithms] = {"auto", "ring", "halving_doubling",
+                                                      "recursive_doubling", "transport"};
+
+// The largest power of two <= n (n >= 1).
+int PowerOfTwoBelow(int n) {
+  int p = 1;
+  while (p * 2 <= n) p *= 2;
+  return p;
+}
+
+int Log2(int p) {
+  int k = 0;
+  while ((1 << k) < p) ++k;
+  return k;
+}
+
+}  // namespace
+
+const char* AllreduceAlgorithmName(AllreduceAlgorithm algorithm) {
+  const auto index = static_cast<size_t>(algorithm);
+  return index < kAllreduceAlgorithms ? kNames[index] : "?";
+}
+
+bool ParseAllreduceAlgorithm(const std::string& text, AllreduceAlgorithm* algorithm) {
+  for (const AllreduceAlgorithm choice :
+       {AllreduceAlgorithm::kAuto, AllreduceAlgorithm::kRing, AllreduceAlgorithm::kHalvingDoubling,
+        AllreduceAlgorithm::kRecursiveDoubling}) {
+    if (text == AllreduceAlgorithmName(choice)) {
+      *algorithm = choice;
+      return true;
+    }
+  }
+  return false;
+}
+
+double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double bytes,
+                             const AllreducePolicy& policy) {
+  const double alpha = policy.hop_latency_secs, beta = 1.0 / policy.link_bytes_per_sec;
+  const double gamma = kReduceSecsPerByte;
+  const double n = ranks;
+  const int p = PowerOfTwoBelow(ranks);
+  const double steps = Log2(p);
+  // Folding the extra ranks in and the result back out: two steps of the whole tensor, one
+  // combination.
+  const double fold = p == ranks ? 0.0 : 2 * alpha + 2 * bytes * beta + bytes * gamma;
+  switch (algorithm) {
+    case AllreduceAlgorithm::kRing:
+      return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes * beta + (n - 1) / n * bytes * gamma;
+    case AllreduceAlgorithm::kHalvingDoubling:
+      return fold + 2 * steps * alpha + 2.0 * (p - 1) / p * bytes * beta +
+             1.0 * (p - 1) / p * bytes * gamma;
+    case AllreduceAlgorithm::kRecursiveDoubling:
+      return fold + steps * (alpha + bytes * beta + bytes * gamma);
+    default:
+      return 0.0;
+  }
+}
+
+AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolicy& policy) {
+  if (policy.algorithm != AllreduceAlgorithm::kAuto) return policy.algorithm;
+  AllreduceAlgorithm best = AllreduceAlgorithm::kRing;
+  double best_secs = ModelledAllreduceSecs(best, ranks, static_cast<double>(bytes), policy);
+  for (const AllreduceAlgorithm other :
+       {AllreduceAlgorithm::kHalvingDoubling, AllreduceAlgorithm::kRecursiveDoubling}) {
+    const double secs = ModelledAllreduceSecs(other, ranks, static_cast<double>(bytes), policy);
+    if (secs < best_secs) {
+      best = other;
+      best_secs = secs;
+    }
+  }
+  return best;
+}
+
+std::vector<AllreduceStep> AllreduceSchedule(AllreduceAlgorithm algorithm, int ranks, int me,
+                                             int64_t count) {
+  std::vector<AllreduceStep> steps;
+  const int p = PowerOfTwoBelow(ranks);
+  if (me >= p) {  // an extra rank: hand the tensor to its partner, take the result back
+    AllreduceStep in;
+    in.send_peer = me - p;
+    in.send_count = count;
+    in.from_input = true;
+    AllreduceStep out;
+    out.recv_peer = me - p;
+    out.recv_count = count;
+    return {in, out};
+  }
+  const bool has_extra = me + p < ranks;
+  bool from_input = true;
+  if (has_extra) {  // combine the extra rank's tensor with this one's (the lower position first)
+    AllreduceStep fold;
+    fold.recv_peer = me + p;
+    fold.recv_count = count;
+    fold.combine = true;
+    fold.from_input = true;
+    fold.mine_first = true;
+    steps.push_back(fold);
+    from_input = false;
+  }
+  if (algorithm == AllreduceAlgorithm::kRecursiveDoubling) {
+    for (int bit = 1; bit < p; bit <<= 1) {
+      AllreduceStep step;
+      step.send_peer = step.recv_peer = me ^ bit;
+      step.send_count = step.recv_count = count;
+      step.combine = true;
+      step.from_input = from_input;
+      step.mine_first = me < (me ^ bit);
+      steps.push_back(step);
+      from_input = false;
+    }
+  } else {
+    // Reduce-scatter by recursive halving: each step keeps one half of the current range (the
+    // lower half for the lower position) and sends the other; the ranges are remembered so that
+    // the allgather can retrace them, doubling what this rank holds at each step.
+    std::vector<std::pair<int64_t, int64_t>> ranges;
+    int64_t first = 0, last = count;
+    for (int bit = p / 2; bit >= 1; bit >>= 1) {
+      const int64_t middle = first + (last - first) / 2;
+      const bool lower = (me & bit) == 0;
+      AllreduceStep step;
+      step.send_peer = step.recv_peer = me ^ bit;
+      step.send_first = lower ? middle : first;
+      step.send_count = lower ? last - middle : middle - first;
+      step.recv_first = lower ? first : middle;
+      step.recv_count = lower ? middle - first : last - middle;
+      step.combine = true;
+      step.from_input = from_input;
+      step.mine_first = lower;
+      steps.push_back(step);
+      from_input = false;
+      ranges.emplace_back(first, last);
+      first = step.recv_first;
+      last = first + step.recv_count;
+    }
+    for (int bit = 1; bit < p; bit <<= 1) {
+      const auto [outer_first, outer_last] = ranges.back();
+      ranges.pop_back();
+      AllreduceStep step;
+      step.send_peer = step.recv_peer = me ^ bit;
+      step.send_first = first;
+      step.send_count = last - first;
+      const bool lower = (me & bit) == 0;  // this rank kept the lower half at this level
+      step.recv_first = lower ? last : outer_first;
+      step.recv_count = lower ? outer_last - last : first - outer_first;
+      steps.push_back(step);
+      first = outer_first;
+      last = outer_last;
+    }
+  }
+  if (has_extra) {
+    AllreduceStep back;
+    back.send_peer = me + p;
+    back.send_count = count;
+    steps.push_back(back);
+  }
+  return steps;
+}
+
+}  // namespace perseus

@@ -1,0 +1,76 @@
+"""The flat allreduce algorithms (ring, halving-doubling, recursive doubling: docs/design.md
+"Transports") on real ranks against numpy and bit for bit alike on every rank
+(tests/workers/allreduce_algorithms.py): over TCP every group size from 2 to 16 (the cost model's
+choice), over MPI every group size from 2 to 6 for halving-doubling and 2 to 4 for recursive
+doubling (each algorithm named by PERSEUS_ALLREDUCE_ALGORITHM, since under auto Open MPI's own
+allreduce runs small tensors; these cover powers of two and groups folding one and two extra
+ranks, and keep the launches cheap: 16 MPI ranks on 2 cores take minutes). The schedules are
+the same code on both transports (allreduce_algorithms.cc). Which algorithm ran is
+read from runtime_stats() and checked against the cost model as docs/design.md states it."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+from harness import run_ranks
+
+HOP_LATENCY_US = 5.0  # moves the cut-overs down to the worker's small tensors
+LINK_GBIT = 1.0
+REDUCE_SECS_PER_BYTE = 0.5e-9
+
+LAUNCHES = {  # name: controller, PERSEUS_ALLREDUCE_ALGORITHM, ranks
+    "tcp-auto": ("tcp", "auto", 16),
+    "mpi-halving_doubling": ("mpi", "halving_doubling", 6),
+    "mpi-recursive_doubling": ("mpi", "recursive_doubling", 4),
+}
+
+
+def modelled_choice(ranks: int, nbytes: int) -> str:
+    """The cheapest algorithm by the alpha-beta model of docs/design.md (ties: the ring first)."""
+    alpha, beta, gamma = HOP_LATENCY_US * 1e-6, 8 / (LINK_GBIT * 1e9), REDUCE_SECS_PER_BYTE
+    p = 2 ** int(math.log2(ranks))
+    steps = int(math.log2(p))
+    fold = 0.0 if p == ranks else 2 * alpha + 2 * nbytes * beta + nbytes * gamma
+    n = ranks
+    costs = {
+        "ring": 2 * (n - 1) * alpha + (n - 1) / n * nbytes * (2 * beta + gamma),
+        "halving_doubling": fold + 2 * steps * alpha + (p - 1) / p * nbytes * (2 * beta + gamma),
+        "recursive_doubling": fold + steps * (alpha + nbytes * (beta + gamma)),
+    }
+    best = "ring"
+    for name in ("halving_doubling", "recursive_doubling"):
+        if costs[name] < costs[best]:
+            best = name
+    return best
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHES))
+def launch(request):
+    controller, algorithm, ranks = LAUNCHES[request.param]
+    env = {"PERSEUS_ALLREDUCE_ALGORITHM": algorithm,
+           "PERSEUS_ALLREDUCE_HOP_LATENCY_US": str(HOP_LATENCY_US),
+           "PERSEUS_ALLREDUCE_LINK_GBIT": str(LINK_GBIT)}
+    out = run_ranks(ranks, "tests/workers/allreduce_algorithms.py", timeout=300, env=env,
+                    controller=controller).stdout
+    ran = [(int(n), int(nbytes), name)
+           for n, nbytes, name in re.findall(r"^RAN (\d+) (\d+) (\w+)$", out, re.M)]
+    return algorithm, ranks, out, ran
+
+
+def test_every_group_size_matches_numpy_bit_for_bit_on_every_rank(launch):
+    _, ranks, out, ran = launch
+    for rank in range(ranks):
+        assert f"[rank {rank}] allreduce algorithms OK" in out, out
+    assert {n for n, _, _ in ran} == set(range(2, ranks + 1)), out
+
+
+def test_the_algorithm_that_ran_is_the_setting_or_the_cost_models_choice(launch):
+    algorithm, _, out, ran = launch
+    for n, nbytes, name in ran:
+        expected = modelled_choice(n, nbytes) if algorithm == "auto" else algorithm
+        assert name == expected, f"{n} ranks, {nbytes} bytes: ran {name}, expected {expected}"
+    if algorithm == "auto":  # the worker's sizes cross every cut-over of the model
+        assert {name for _, _, name in ran} == {"ring", "halving_doubling",
+                                                "recursive_doubling"}, out
