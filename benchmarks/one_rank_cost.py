@@ -21,14 +21,11 @@ import perseus_legacy as pl
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
+import cluster_training_model as model
 import tensorflow as tf
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cluster_training_model as model  # noqa: E402
 
 UNTIMED = 20  # steps: graph building, the session, first allocations
 KINDS = ("plain", "run_config")

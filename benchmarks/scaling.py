@@ -41,12 +41,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import cluster_training  # benchmarks/: the directory of the script run, first on sys.path
+import scaling_model
 
-import cluster_training  # noqa: E402 (this directory is on sys.path only now)
-import scaling_model  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 WORKER = HERE / "scaling_worker.py"
 PEERS_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
@@ -188,7 +186,7 @@ def _run_hosts(hosts: int, slots: int, env_for, python: str, program: list,
     from perseusrun import emulate
 
     procs = cluster_training.Processes(time.monotonic() + args.timeout)
-    with emulate.emulated_hosts(hosts, link_rate=args.link_rate, mtu=args.link_mtu) as cluster, \
+    with emulate.emulated_hosts(hosts, **cluster_training.emulated_links(args)) as cluster, \
             (before(cluster) if before else contextlib.nullcontext()):
         try:
             for index in range(hosts * slots):
@@ -295,7 +293,9 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "collectives_per_step": result["collectives"] / per_step
             if per_step and result.get("collectives") is not None else None,
             "trainers": result["trainers"], "link_rate": args.link_rate,
-            "link_mtu": args.link_mtu or 1500, "byte_scale": args.byte_scale, "steps": args.steps}
+            "link_mtu": args.link_mtu or 1500, "link_delay_ms": args.link_delay or 0,
+            "link_jitter_ms": args.link_jitter or 0, "link_loss_pct": args.link_loss or 0,
+            "byte_scale": args.byte_scale, "steps": args.steps}
 
 
 def add_relative(rows: list) -> None:
@@ -317,13 +317,22 @@ def percent(value: float | None) -> str:
     return "" if value is None else f"{100 * value:.0f}%"
 
 
+def link_faults(args: argparse.Namespace) -> str:
+    """The links' delay, jitter and loss for a table's title; empty without them."""
+    parts = [f"{args.link_delay:g} ms delay" if args.link_delay else "",
+             f"+-{args.link_jitter:g} ms jitter" if args.link_jitter else "",
+             f"{args.link_loss:g}% loss" if args.link_loss else ""]
+    return "".join(f", {part}" for part in parts if part)
+
+
 def print_table(rows: list, args: argparse.Namespace) -> None:
     for model in dict.fromkeys(r["model"] for r in rows):
         profile = scaling_model.load_profile(model, step_scale=args.step_scale)
         print(f"\n{model}: batch {profile.batch} per rank, {profile.step_ms:.0f} ms of compute "
               f"per step, {sum(profile.tensor_elements(args.byte_scale)) * 4 / 2**20:.1f} MiB "
               f"of gradients in {len(profile.tensor_elements(1))} tensors (x{args.byte_scale:g}"
-              f" of the real bytes), links {args.link_rate} (MTU {args.link_mtu or 1500}), "
+              f" of the real bytes), links {args.link_rate} (MTU {args.link_mtu or 1500}"
+              f"{link_faults(args)}), "
               f"{args.steps} timed steps after {args.warmup}\n")
         print("| system | hosts x ranks | examples/s | efficiency | compute bound | "
               "compute + link bound | link hidden | CPU ms/step (all ranks) | cores busy |")
@@ -466,7 +475,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
                         help=f"comma-separated, of {', '.join(SYSTEMS)}, or all")
     parser.add_argument("--link-rate", default="1gbit", help="each emulated host's link")
-    parser.add_argument("--link-mtu", type=int, help="the emulated links' MTU (default 1500)")
+    cluster_training.add_link_options(parser)
     parser.add_argument("--real-link-rate", default=REAL_LINK,
                         help="the real cluster's link: gradients are scaled by link/real")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per launch")
@@ -512,7 +521,7 @@ def main() -> None:
     try:
         args.link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         args.byte_scale = args.link_bytes_s / emulate.rate_bytes_per_second(args.real_link_rate)
-        emulate.check_requirements(args.link_rate, args.link_mtu)
+        emulate.check_requirements(**cluster_training.emulated_links(args))
         for model in models:
             scaling_model.load_profile(model)
     except (emulate.EmulationError, ValueError) as exc:

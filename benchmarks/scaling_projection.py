@@ -32,15 +32,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent))
+import scaling_model  # benchmarks/: the directory of the script run, first on sys.path
 
-import scaling_model  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 REFERENCE = HERE / "scaling_reference.jsonl"
 CALIBRATION_SYSTEM = "run_config_tcp"

@@ -290,7 +290,6 @@ def main() -> None:
     parser.add_argument("--stats-dir", required=True)
     parser.add_argument("--model-dir")
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if args.system in ("run_config", "alone", "alone_sync", "ps_async", "ps_sync"):
         run_estimator(args)
     elif args.system == "mwms":

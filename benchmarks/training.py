@@ -62,7 +62,7 @@ def cnn(images: tf.Tensor) -> tf.Tensor:
 
 def barrier(name: str) -> None:
     """Returns once every rank has called it with this name (a one-float allreduce)."""
-    pl.basics.core().allreduce(np.zeros(1, np.float32), name=name)
+    pl.common.basics.core().allreduce(np.zeros(1, np.float32), name=name)
 
 
 def share(a: dict, b: dict) -> str:

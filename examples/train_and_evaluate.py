@@ -28,7 +28,7 @@ import tensorflow as tf
 
 import digits
 from estimator import classifier, input_fns, session_config
-from perseusrun.launch import free_local_ports
+from perseusrun.tcp_run import free_local_ports
 
 TASKS = (("chief", 0), ("worker", 0), ("evaluator", 0))
 

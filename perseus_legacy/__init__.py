@@ -3,16 +3,17 @@
 Horovod-compatible: `import perseus_legacy as hvd`. The package is split by role:
 
 - common/      framework-free: init and rank queries, process sets, Python objects between
-               ranks, the TF_CONFIG cluster, timelines (no TensorFlow import)
+               ranks, the TF_CONFIG cluster (no TensorFlow import)
 - tensorflow/  TensorFlow collectives and their gradients, Adasum, compression, the gradient
                reducer and accumulator, DistributedGradientTape
 - tf1/         tf.compat.v1 training: hooks, graph rewrite, optimizers, input sharding, session
                helpers
 - keras/, estimator/, elastic/   the Keras 2, tf.estimator and elastic integrations
 - tf_compat/   every change made to TensorFlow and tensorflow-estimator
+- timeline.py  `python -m perseus_legacy.timeline merge`: one trace from the ranks' timelines
 
-This module is the flat Horovod-style API over them; `perseus_legacy._moved` keeps the old
-module paths (`perseus_legacy.tf_config`, `perseus_legacy.data`, ...) working.
+This module is the flat Horovod-style API over them. Each module has one path, the one above
+(`perseus_legacy.data` is tf1/data.py, an attribute of this API).
 """
 
 # First: every change this package makes to TensorFlow (perseus_legacy.tf_compat); legacy Keras
@@ -22,10 +23,6 @@ from perseus_legacy import tf_compat  # noqa: I001
 tf_compat.apply()
 
 # ruff: noqa: E402
-from perseus_legacy import _moved
-
-_moved.install()
-
 from perseus_legacy import elastic, estimator
 from perseus_legacy._version import __version__
 from perseus_legacy.common.basics import (
@@ -111,6 +108,7 @@ from perseus_legacy.tf1.hooks import (
     broadcast_variables,
 )
 from perseus_legacy.tf1.optimizer import DistributedOptimizer, SyncReplicasOptimizer
+from perseus_legacy.tf1.per_rank import PerRankUpdateError, per_rank_update
 from perseus_legacy.tf1.preemption import PreemptionHook
 
 # The public API (tests/test_public_api.py checks it against docs/). SyncBatchNormalization is a
@@ -118,7 +116,8 @@ from perseus_legacy.tf1.preemption import PreemptionHook
 __all__ = [
     "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "DistributedGradientTape",
     "DistributedOptimizer", "GraphRewriteError", "Max", "Min", "NotInitializedError",
-    "PartialDistributedGradientTape", "PreemptionHook", "ProcessSet", "Product", "Sum",
+    "PartialDistributedGradientTape", "PerRankUpdateError", "PreemptionHook", "ProcessSet",
+    "Product", "Sum",
     "SyncBatchNormalization", "SyncReplicasHook", "SyncReplicasOptimizer", "__version__",
     "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall", "broadcast", "broadcast_",
@@ -129,7 +128,8 @@ __all__ = [
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "is_chief",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
     "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
-    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
+    "per_rank_update", "process_set_included_op", "rank", "rank_op", "reducescatter",
+    "remove_process_set",
     "rocm_built", "run_config", "runtime_stats", "scale_learning_rate", "scale_steps",
     "session_config", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]
@@ -140,7 +140,4 @@ def __getattr__(name: str):
         from perseus_legacy.keras.sync_batch_norm import SyncBatchNormalization
 
         return SyncBatchNormalization
-    moved = _moved.attribute(__name__, name)
-    if moved is not None:
-        return moved
     raise AttributeError(f"module 'perseus_legacy' has no attribute {name!r}")

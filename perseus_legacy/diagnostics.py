@@ -14,7 +14,7 @@ import sys
 import traceback
 from typing import Any, Callable
 
-import perseus_env
+from perseus_shared import mpi
 
 
 def _version() -> str:
@@ -77,7 +77,7 @@ def _mpi() -> str:
 
 
 def _mpirun() -> str:
-    return perseus_env.find_mpirun(dict(os.environ))
+    return mpi.find_mpirun(dict(os.environ))
 
 
 def _tf_patches() -> Any:

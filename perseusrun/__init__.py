@@ -2,6 +2,6 @@
 
 A package beside perseus_legacy rather than inside it: importing perseus_legacy imports
 TensorFlow (seconds of CPU), and starting ranks needs none of it. Only `--check-build` loads
-perseus_legacy. The launcher is `perseusrun.launch`; what it shares with the library (the
-variables it hands to ranks) is the top-level module `perseus_env`.
+perseus_legacy. The launcher is `perseusrun.launch`; what it shares with the library is the
+settings table `perseus_env` and the package `perseus_shared`.
 """

@@ -129,7 +129,9 @@ class ElasticJob:
         self.unknown: set[str] = set()  # discovered names that are no host of this job
         self.started = 0
         self.codes: dict[str, int] = {}
-        self.driver = Driver(perseus_env.read(SECRET_VARIABLE, env) or "", place.driver_address,
+        # The workers' secret, -x PERSEUS_SECRET=... included: the driver must prove the same.
+        self.driver = Driver(perseus_env.read(SECRET_VARIABLE, self.base) or "",
+                             place.driver_address,
                              min_np=args.min_np, max_np=args.max_np, ports=ports,
                              on_lost=self._lost)
 

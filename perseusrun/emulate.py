@@ -1,12 +1,20 @@
 """Emulated hosts: several "machines" on this one, each a Linux network namespace.
 
-Every host gets its own network namespace (loopback up, one veth `eth0` with an address in a
-private /24 of 10.77.0.0/16), its own hostname (a UTS namespace per started process) and an
-/etc/hosts that names every host. The veths meet on a bridge in this (the launch) namespace,
-which holds the subnet's .254 address: Open MPI's daemons call mpirun back there, as compute
-nodes call a login node. `link_rate` limits each host's link in both directions (tc tbf on both
-ends of its veth); `mtu` sets every link's MTU (default 1500; jumbo frames: 9000). Needs root
-and iproute2 (`ip`, `tc`) and util-linux `unshare`.
+Every host gets its own network namespace (loopback up, an `eth0` with an address in a private
+/24 of 10.77.0.0/16), its own hostname (a UTS namespace per started process) and an /etc/hosts
+that names every host. The launch (this) namespace holds the subnet's .254 address: Open MPI's
+daemons call mpirun back there, as compute nodes call a login node. `mtu` sets every link's MTU
+(default 1500; jumbo frames: 9000). Needs root and iproute2 (`ip`, `tc`) and util-linux `unshare`.
+
+Two kinds of link. Without a delay, jitter or loss each eth0 is one end of a veth whose other
+end is on a bridge here, and `link_rate` limits it in both directions with tc tbf on both ends.
+With `delay_ms`, `jitter_ms` or `loss` (this kernel has no netem), each eth0 is a TAP device and
+perseusrun/link_emulator (ops/tools/link_emulator.cc, built with the package) moves the frames:
+a learning switch in user space that holds every frame leaving a host for the delay (+- the
+jitter, in order), drops it with probability `loss` percent, and serialises it at `link_rate`
+on the host's uplink and again on the destination's downlink (tbf's bucket and queue limit).
+A host-to-host round trip takes 2 x delay. The emulator ends with its launcher, even a killed
+one (its standard input closes; PR_SET_PDEATHSIG), and its TAP devices with it.
 
     with emulated_hosts(2, link_rate="1gbit") as hosts:
         proc = hosts[1].popen([sys.executable, "task.py"], env=env)
@@ -23,6 +31,7 @@ import fcntl
 import itertools
 import os
 import re
+import select
 import shlex
 import shutil
 import signal
@@ -37,6 +46,12 @@ SUBNET_PREFIX = "10.77"  # host i of a job is 10.77.N.(i + 1); the launch side i
 LAUNCH_HOST = 254
 MAX_HOSTS = 64
 MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host must take; a veth's largest
+MAX_DELAY_MS = 10_000.0
+# A rate-limited link's queue: tbf's bucket of at least 4 ms of traffic (tbf needs a burst above
+# rate / HZ) and 10 ms of waiting frames before it drops; the user-space link queues as much.
+MIN_BURST_BYTES, BURST_SECONDS, QUEUE_SECONDS = 512 * 1024, 0.004, 0.010
+LINK_EMULATOR = Path(__file__).with_name("link_emulator")
+NETNS_RUN = Path("/run/netns")  # where `ip netns add` mounts each namespace
 COMMAND_TIMEOUT = 30.0
 # How long a launcher waits for another one's setup or removal of emulated hosts (each of their
 # commands is bounded by COMMAND_TIMEOUT), and how often it looks.
@@ -85,8 +100,10 @@ class EmulatedHost:
 class EmulatedHosts(Sequence):
     """The hosts of one emulated cluster (index them) and what mpirun needs to reach them."""
 
-    def __init__(self, tag: str, subnet: int, hosts: list[EmulatedHost], agent: str) -> None:
+    def __init__(self, tag: str, subnet: int, hosts: list[EmulatedHost], agent: str,
+                 link_emulator: subprocess.Popen | None = None) -> None:
         self.tag = tag
+        self.link_emulator = link_emulator  # the user-space links' process, if they have one
         self.subnet = f"{SUBNET_PREFIX}.{subnet}.0/24"
         self.launch_address = f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}"
         self.agent = agent  # the `ssh` of Open MPI's daemons: runs a command on a host
@@ -106,9 +123,11 @@ class EmulatedHosts(Sequence):
                 "--mca", "btl_tcp_if_include", self.subnet]
 
 
-def check_requirements(link_rate: str | None = None, mtu: int | None = None) -> None:
-    """Raises EmulationError naming what is missing (root, `ip`, `unshare`, `tc`) or what is
-    wrong with the links' rate or MTU."""
+def check_requirements(link_rate: str | None = None, mtu: int | None = None,
+                       delay_ms: float | None = None, jitter_ms: float | None = None,
+                       loss: float | None = None) -> None:
+    """Raises EmulationError naming what is missing (root, `ip`, `unshare`, `tc`, the built
+    link emulator) or what is wrong with the links' rate, MTU, delay, jitter or loss."""
     missing = []
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         missing.append("root (network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)")
@@ -117,6 +136,9 @@ def check_requirements(link_rate: str | None = None, mtu: int | None = None) -> 
         tools["tc"] = "iproute2"
     missing += [f"`{tool}` on PATH (package {package})" for tool, package in tools.items()
                 if shutil.which(tool) is None]
+    if user_space_links(delay_ms, jitter_ms, loss) and not os.access(LINK_EMULATOR, os.X_OK):
+        missing.append(f"{LINK_EMULATOR} for a link delay, jitter or loss (built from "
+                       "ops/tools/link_emulator.cc with the package: `make build`)")
     if missing:
         raise EmulationError("emulated hosts need " + " and ".join(missing))
     if link_rate:
@@ -124,6 +146,21 @@ def check_requirements(link_rate: str | None = None, mtu: int | None = None) -> 
     if mtu is not None and not MIN_MTU <= mtu <= MAX_MTU:
         raise EmulationError(f"link MTU {mtu}: expected {MIN_MTU} to {MAX_MTU} bytes "
                              "(1500 is Ethernet's, 9000 jumbo frames)")
+    if delay_ms is not None and not 0 <= delay_ms <= MAX_DELAY_MS:
+        raise EmulationError(f"link delay {delay_ms:g} ms: expected 0 to {MAX_DELAY_MS:g} ms "
+                             "(one way, per link)")
+    if jitter_ms is not None and not 0 <= jitter_ms <= (delay_ms or 0):
+        raise EmulationError(f"link jitter {jitter_ms:g} ms: expected 0 to the link delay "
+                             f"({delay_ms or 0:g} ms): each frame is held delay +- jitter")
+    if loss is not None and not 0 <= loss < 100:
+        raise EmulationError(f"link loss {loss:g}%: expected 0 to less than 100 percent")
+
+
+def user_space_links(delay_ms: float | None = None, jitter_ms: float | None = None,
+                     loss: float | None = None) -> bool:
+    """Whether the links need the user-space emulator (a delay, jitter or loss): veths and tbf
+    carry everything else."""
+    return bool(delay_ms or jitter_ms or loss)
 
 
 def rate_bytes_per_second(rate: str) -> float:
@@ -267,72 +304,132 @@ def _agent_script(hosts: list[EmulatedHost]) -> str:
             "esac\n")
 
 
+def _burst_bytes(bytes_per_second: float) -> int:
+    return max(MIN_BURST_BYTES, int(bytes_per_second * BURST_SECONDS))
+
+
 def _limit(device: str, rate: str, bytes_per_second: float, namespace: str | None) -> None:
-    # The bucket holds at least 4 ms of traffic (tbf needs a burst above rate / HZ).
-    burst = max(512 * 1024, int(bytes_per_second * 0.004))
     netns = ["-n", namespace] if namespace else []
     _run("tc", *netns, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
-         "burst", str(burst), "latency", "10ms")
+         "burst", str(_burst_bytes(bytes_per_second)), "latency", f"{QUEUE_SECONDS * 1000:g}ms")
 
 
-def _build(tag: str, count: int, link_rate: str | None, state: Path,
-           mtu: int | None) -> EmulatedHosts:
+def _start_link_emulator(tag: str, hosts: list[EmulatedHost], bytes_per_second: float | None,
+                         delay_ms: float, jitter_ms: float, loss: float,
+                         job_dir: Path) -> subprocess.Popen:
+    """The user-space switch with every host's eth0 and the launch side's TAP `<tag>br`, once
+    it has created them. Its standard input is a pipe that only this process holds: it ends
+    when the pipe closes, so with this launcher whatever kills it."""
+    burst = _burst_bytes(bytes_per_second) if bytes_per_second else 0
+    argv = [str(LINK_EMULATOR), "--rate", f"{bytes_per_second or 0:.0f}",
+            "--burst-bytes", str(burst),
+            "--queue-bytes", str(int((bytes_per_second or 0) * QUEUE_SECONDS)),
+            "--delay-us", str(round(delay_ms * 1000)), "--jitter-us", str(round(jitter_ms * 1000)),
+            "--loss", f"{loss / 100:.6f}",
+            "--seed", str(os.getpid()), "--launch-tap", f"{tag}br",
+            *(str(NETNS_RUN / h.namespace) for h in hosts)]
+    with open(job_dir / "link_emulator.log", "wb") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                start_new_session=True)  # a terminal's Ctrl-C is for the job
+    ready, _, _ = select.select([proc.stdout], [], [], COMMAND_TIMEOUT)
+    line = proc.stdout.readline() if ready else b""
+    if line.strip() != b"ready":
+        _stop_link_emulator(proc)
+        error = (job_dir / "link_emulator.log").read_text(errors="replace").strip()
+        raise EmulationError(f"`{shlex.join(argv)}` did not start: "
+                             f"{error or f'no answer in {COMMAND_TIMEOUT:.0f} s'}")
+    return proc
+
+
+def _stop_link_emulator(proc: subprocess.Popen) -> None:
+    """Closes its standard input (it exits), killing it when it does not in a few seconds."""
+    with contextlib.suppress(OSError):
+        proc.stdin.close()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc.stdout.close()
+
+
+def _build(tag: str, count: int, link_rate: str | None, state: Path, mtu: int | None,
+           delay_ms: float | None = None, jitter_ms: float | None = None,
+           loss: float | None = None) -> EmulatedHosts:
     subnet = _free_subnet()
-    bridge = f"{tag}br"
+    launch_link = f"{tag}br"  # the bridge, or the launch side's TAP of the user-space links
     hosts = [EmulatedHost(i, f"{tag}h{i}", f"{tag}h{i}", f"{SUBNET_PREFIX}.{subnet}.{i + 1}")
              for i in range(count)]
     job_dir = state / tag
     job_dir.mkdir(mode=0o700)
     rate = rate_bytes_per_second(link_rate) if link_rate else None
     mtu_args = ["mtu", str(mtu)] if mtu else []
-    _run("ip", "link", "add", bridge, "type", "bridge")
-    _run("ip", "addr", "add", f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}/24", "dev", bridge)
-    _run("ip", "link", "set", bridge, *mtu_args, "up")
-    etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in hosts)
+    user_space = user_space_links(delay_ms, jitter_ms, loss)
+    if not user_space:
+        _run("ip", "link", "add", launch_link, "type", "bridge")
     for host in hosts:
-        veth = f"{tag}v{host.index}"
         _run("ip", "netns", "add", host.namespace)
-        _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
-             host.namespace)
-        _run("ip", "link", "set", veth, *mtu_args, "master", bridge, "up")
-        _run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
-        _run("ip", "-n", host.namespace, "link", "set", "eth0", *mtu_args, "up")
         _run("ip", "-n", host.namespace, "link", "set", "lo", "up")
-        if rate is not None:
-            _limit(veth, link_rate, rate, None)  # into the host
-            _limit("eth0", link_rate, rate, host.namespace)  # out of the host
-        with contextlib.suppress(OSError):  # only the hostnames' resolution depends on it
-            (NETNS_ETC / host.namespace).mkdir(parents=True, exist_ok=True)
-            host.hosts_file.write_text(etc_hosts)
-    agent = job_dir / "agent"
-    agent.write_text(_agent_script(hosts))
-    agent.chmod(0o700)
-    return EmulatedHosts(tag, subnet, hosts, str(agent))
+        if not user_space:
+            veth = f"{tag}v{host.index}"
+            _run("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns",
+                 host.namespace)
+            _run("ip", "link", "set", veth, *mtu_args, "master", launch_link, "up")
+            if rate is not None:
+                _limit(veth, link_rate, rate, None)  # into the host
+                _limit("eth0", link_rate, rate, host.namespace)  # out of the host
+    emulator = (_start_link_emulator(tag, hosts, rate, delay_ms or 0, jitter_ms or 0, loss or 0,
+                                     job_dir) if user_space else None)
+    try:
+        _run("ip", "addr", "add", f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}/24", "dev",
+             launch_link)
+        _run("ip", "link", "set", launch_link, *mtu_args, "up")
+        etc_hosts = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in hosts)
+        for host in hosts:
+            _run("ip", "-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+            _run("ip", "-n", host.namespace, "link", "set", "eth0", *mtu_args, "up")
+            with contextlib.suppress(OSError):  # only the hostnames' resolution depends on it
+                (NETNS_ETC / host.namespace).mkdir(parents=True, exist_ok=True)
+                host.hosts_file.write_text(etc_hosts)
+        agent = job_dir / "agent"
+        agent.write_text(_agent_script(hosts))
+        agent.chmod(0o700)
+    except BaseException:
+        if emulator is not None:
+            _stop_link_emulator(emulator)
+        raise
+    return EmulatedHosts(tag, subnet, hosts, str(agent), emulator)
 
 
 @contextlib.contextmanager
-def emulated_hosts(count: int, link_rate: str | None = None,
-                   mtu: int | None = None) -> Iterator[EmulatedHosts]:
+def emulated_hosts(count: int, link_rate: str | None = None, mtu: int | None = None,
+                   delay_ms: float | None = None, jitter_ms: float | None = None,
+                   loss: float | None = None) -> Iterator[EmulatedHosts]:
     """`count` emulated hosts for the time of the with-block; everything is removed after it.
+    `delay_ms` (one way, per link), `jitter_ms` and `loss` (percent of the frames leaving a
+    host) put the user-space links in place of veths (see the module's description).
 
     Removal also runs when the block raises (KeyboardInterrupt included); SIGINT and SIGTERM are
     ignored while it runs so that a second Ctrl-C cannot leave half a cluster behind.
     """
     if not 1 <= count <= MAX_HOSTS:
         raise EmulationError(f"emulated hosts: {count} requested, 1 to {MAX_HOSTS} supported")
-    check_requirements(link_rate, mtu)
+    check_requirements(link_rate, mtu, delay_ms, jitter_ms, loss)
     state = _state_dir()
     tag = f"{TAG_PREFIX}{os.getpid()}x{next(_job_numbers)}"
     if len(f"{tag}h{count - 1}") > 15:  # Linux interface names
         raise EmulationError(f"emulated host names of tag {tag!r} exceed 15 characters")
+    hosts = None
     try:
         with _locked(state):
             remove_stale(state)
-            hosts = _build(tag, count, link_rate, state, mtu)
+            hosts = _build(tag, count, link_rate, state, mtu, delay_ms, jitter_ms, loss)
         yield hosts
     finally:
         previous, deferred = _defer_stop_signals()
         try:
+            if hosts is not None and hosts.link_emulator is not None:
+                _stop_link_emulator(hosts.link_emulator)  # it holds the namespaces' TAPs
             with _locked(state):
                 remove_tag(tag, state)
         finally:

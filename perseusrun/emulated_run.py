@@ -26,6 +26,11 @@ def parse_emulated_hosts(spec: str) -> tuple[int, int]:
             slot_count(slots or "1", f"--emulate-hosts {spec}"))
 
 
+def _links(args: argparse.Namespace) -> tuple:
+    """emulate.emulated_hosts' link parameters after its host count, from the command line."""
+    return args.link_rate, args.link_mtu, args.link_delay, args.link_jitter, args.link_loss
+
+
 def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
     """(hosts, slots) of --emulate-hosts; sets -np's default to all slots."""
     if args.hosts or args.hostfile:
@@ -40,7 +45,7 @@ def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:
         raise UsageError(f"-np {args.np} needs {args.np} slots but --emulate-hosts "
                          f"{args.emulate_hosts} gives {count * slots}")
     try:
-        emulate.check_requirements(args.link_rate, args.link_mtu)
+        emulate.check_requirements(*_links(args))
     except emulate.EmulationError as exc:
         raise UsageError(str(exc)) from None
     if elastic:  # -np may come from the discovery script: checked when it has run
@@ -93,7 +98,7 @@ def run_emulated(args: argparse.Namespace, env: dict, count: int, slots: int) ->
     """Builds the emulated hosts, runs the job across them, removes them whatever happens."""
     previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
     try:
-        with emulate.emulated_hosts(count, args.link_rate, args.link_mtu) as hosts:
+        with emulate.emulated_hosts(count, *_links(args)) as hosts:
             if args.verbose:
                 listed = ", ".join(f"{h.name}={h.address}" for h in hosts)
                 print(f"perseusrun: {count} emulated hosts with {slots} slots on {hosts.subnet}:"

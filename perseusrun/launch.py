@@ -24,12 +24,9 @@ from types import ModuleType
 
 import perseus_env
 from perseus_env import LEGACY_KERAS_SET_HERE
+from perseus_shared import slurm
 from perseusrun import elastic_run, emulated_run, mpi_run, slurm_run, tcp_run
-from perseusrun.emulated_run import EMULATED_TCP_PORT  # noqa: F401 (perseusrun's public names)
-from perseusrun.job import UsageError, parse_hosts  # noqa: F401
-from perseusrun.mpi_run import build_mpirun_command  # noqa: F401
-from perseusrun.supervise import ABORT_EXIT_CODE, TIMEOUT_EXIT_CODE  # noqa: F401
-from perseusrun.tcp_run import free_local_ports  # noqa: F401
+from perseusrun.job import UsageError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -70,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-mtu", type=int, metavar="BYTES",
                    help="with --emulate-hosts: the links' MTU (default 1500; 9000 for jumbo "
                         "frames)")
+    p.add_argument("--link-delay", type=float, metavar="MS",
+                   help="with --emulate-hosts: hold every frame leaving a host MS milliseconds "
+                        "(one way; a round trip between hosts takes 2 x MS); user-space links")
+    p.add_argument("--link-jitter", type=float, metavar="MS",
+                   help="with --link-delay: each frame's delay varies uniformly by +-MS "
+                        "(frames keep their order)")
+    p.add_argument("--link-loss", type=float, metavar="PCT",
+                   help="with --emulate-hosts: drop PCT percent of the frames leaving each host "
+                        "at random (fault tests); user-space links")
     p.add_argument("--restarts", type=int, default=0, metavar="K",
                    help="after a lost rank, start the job again (at most K times), without "
                         "its host when --min-np allows; it resumes from the last checkpoint")
@@ -118,8 +124,10 @@ def choose_backend(args: argparse.Namespace, env: dict) -> ModuleType:
     """The backend module (see perseusrun.job) that runs this command line."""
     if args.emulate_hosts:
         return emulated_run
-    for flag, value in (("--link-rate", args.link_rate), ("--link-mtu", args.link_mtu)):
-        if value:
+    for flag, value in (("--link-rate", args.link_rate), ("--link-mtu", args.link_mtu),
+                        ("--link-delay", args.link_delay), ("--link-jitter", args.link_jitter),
+                        ("--link-loss", args.link_loss)):
+        if value is not None:
             raise UsageError(f"{flag} sets emulated hosts' links: add --emulate-hosts N")
     if slurm_run.in_allocation(args, env):
         if elastic_run.is_elastic(args):
@@ -167,8 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     # faulting fresh pages in for every large tensor (a set value is kept).
     env.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
     try:
+        slurm.check_secret_file(env, "perseusrun")
         run = choose_backend(args, env).prepare(args, env)
-    except UsageError as exc:
+    except (UsageError, slurm.SlurmEnvironmentError) as exc:
         print(f"perseusrun: error: {exc}", file=sys.stderr)
         return 2
     return run()

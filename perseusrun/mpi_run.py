@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 import perseus_env
+from perseus_shared import mpi
 from perseusrun import restarts, supervise
 from perseusrun.job import UsageError, check_job_args, is_local_host, job_hosts
 
@@ -23,8 +24,8 @@ FORWARDED_PREFIXES = ("PERSEUS_", "TF_")
 def find_mpirun(env: dict) -> str:
     """The mpirun next to sys.executable (the venv's), else the first one on PATH."""
     try:
-        return perseus_env.find_mpirun(env)
-    except perseus_env.MpirunNotFoundError as exc:
+        return mpi.find_mpirun(env)
+    except mpi.MpirunNotFoundError as exc:
         raise UsageError(str(exc)) from None
 
 

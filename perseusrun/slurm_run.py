@@ -4,7 +4,8 @@ horovodrun do there.
 
 Over MPI it is mpirun with the allocation's hosts (Open MPI starts its daemons through srun).
 With --tcp it is one `srun` step with no MPI: each task forms the TCP controller from the
-step's own variables (perseus_env.slurm_tcp_settings) and the job secret perseusrun exports.
+step's own variables (perseus_shared.slurm.slurm_tcp_settings) and the job secret perseusrun
+exports.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import shutil
 import sys
 from collections.abc import Callable, Mapping
 
-import perseus_env
+from perseus_shared import slurm
 from perseusrun import mpi_run, supervise, tcp_run
 from perseusrun.job import UsageError, check_job_args, rank_environment
 
@@ -32,9 +33,9 @@ def in_allocation(args: argparse.Namespace, env: Mapping[str, str]) -> bool:
 def allocation_hosts(env: Mapping[str, str]) -> list[tuple[str, int]]:
     """(node, task slots) of the allocation: SLURM_JOB_NODELIST and SLURM_TASKS_PER_NODE."""
     try:
-        nodes = perseus_env.expand_hostlist(env["SLURM_JOB_NODELIST"])
-        slots = perseus_env.expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
-    except perseus_env.SlurmEnvironmentError as exc:
+        nodes = slurm.expand_hostlist(env["SLURM_JOB_NODELIST"])
+        slots = slurm.expand_tasks_per_node(env.get("SLURM_TASKS_PER_NODE", ""))
+    except slurm.SlurmEnvironmentError as exc:
         raise UsageError(f"Slurm job {env.get('SLURM_JOB_ID')}: {exc}") from None
     if len(slots) != len(nodes):
         raise UsageError(

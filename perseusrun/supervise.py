@@ -7,8 +7,8 @@ has aborted an MPI job that mpirun does not end, and SIGKILLs what has not stopp
 seconds after it was asked to.
 
 Given a `lost` set (`perseusrun --restarts`), it adds every rank that the job's output says was
-lost (the survivors' perseus_env.lost_rank_line, or mpirun's "process rank N ... exited on
-signal"), and when one of several ranks fails it first gives the others up to
+lost (the survivors' perseus_shared.lost_rank.lost_rank_line, or mpirun's "process rank N ...
+exited on signal"), and when one of several ranks fails it first gives the others up to
 SURVIVOR_SECONDS to notice, save the last completed step and exit by themselves.
 """
 
@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-import perseus_env
+from perseus_shared import lost_rank
 
 # SIGTERM first, then SIGKILL for the whole process tree when the job is still there.
 KILL_GRACE_SECONDS = 10.0
@@ -83,11 +83,25 @@ def _signal_group(proc: subprocess.Popen, signum: int) -> None:
 
 def lost_rank_in(text: str) -> int | None:
     """The rank a line of a job's output says was lost (a survivor's or mpirun's), or None."""
-    lost = perseus_env.lost_rank_in(text)
+    lost = lost_rank.lost_rank_in(text)
     if lost is None:
         found = _MPIRUN_LOST.search(text)
         lost = int(found.group(1)) if found else None
     return lost
+
+
+class Losses(set):
+    """The ranks a run lost, and `saved`: (global step, checkpoint) a survivor saved whole after
+    the loss (perseus_shared.lost_rank.saved_step_in), or None."""
+
+    saved: tuple[int, str] | None = None
+
+    def read(self, text: str) -> None:
+        """Adds what a line of the job's output says: a lost rank, the step saved."""
+        lost = lost_rank_in(text)
+        if lost is not None:
+            self.add(lost)
+            self.saved = lost_rank.saved_step_in(text) or self.saved
 
 
 def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
@@ -99,7 +113,10 @@ def _forward_lines(stream, prefix: str, out, aborted: threading.Event,
         if ABORT_LINE in text:
             aborted.set()
         if lost is not None and lost_rank_in(text) is not None:
-            lost.add(lost_rank_in(text))
+            if isinstance(lost, Losses):
+                lost.read(text)
+            else:
+                lost.add(lost_rank_in(text))
             reported.set()
         out.write(prefix + text)
         out.flush()

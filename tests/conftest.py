@@ -1,5 +1,6 @@
 """Puts tests/ on sys.path, so that a test in any folder below imports the launching side's
-helpers as `harness` (tests/harness.py); the fixtures several test files share."""
+helpers as `harness` (tests/harness.py), and benchmarks/, whose modules tests import as its
+scripts do (by name: `import scaling_model`); the fixtures several test files share."""
 
 import sys
 from pathlib import Path
@@ -7,8 +8,9 @@ from pathlib import Path
 import pytest
 
 TESTS = str(Path(__file__).resolve().parent)
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
+for directory in (TESTS, str(Path(TESTS).parent / "benchmarks")):
+    if directory not in sys.path:
+        sys.path.insert(0, directory)
 
 from harness import worker_module  # noqa: E402 (tests/ is on sys.path from here)
 

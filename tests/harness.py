@@ -30,8 +30,8 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-import perseus_env
-from perseusrun import emulate, launch
+from perseus_shared.mpi import MPI_LAUNCHER_VARIABLES
+from perseusrun import emulate, supervise
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -68,7 +68,7 @@ def task_env(extra: dict | None = None, base: dict | None = None) -> dict:
     without any launcher's, TF_CONFIG's or Keras selection's variables, plus `extra`."""
     env = launch_env() if base is None else dict(base)
     for name in ("TF_CONFIG", "TF_USE_LEGACY_KERAS", "PERSEUS_CONTROLLER", "PERSEUS_TCP_RANK",
-                 "PERSEUS_TCP_ADDRESSES", *perseus_env.MPI_LAUNCHER_VARIABLES):
+                 "PERSEUS_TCP_ADDRESSES", *MPI_LAUNCHER_VARIABLES):
         env.pop(name, None)
     env.update(extra or {})
     return env
@@ -190,7 +190,7 @@ def run_emulated(options: list, script: str, *args, timeout: float = 240,
     """Runs `perseusrun OPTIONS --timeout T python SCRIPT ARGS` (OPTIONS: --emulate-hosts ...);
     asserts it exits 0 (non-zero with expect_failure, never by the timeout). The output."""
     code, out = run_perseusrun(options, [ROOT / script, *args], env, timeout)
-    if (code != 0) != expect_failure or code == launch.TIMEOUT_EXIT_CODE:
+    if (code != 0) != expect_failure or code == supervise.TIMEOUT_EXIT_CODE:
         raise AssertionError(f"perseusrun {' '.join(map(str, options))} {script}\nexit {code}. "
                              f"Error lines:\n{failure_summary(out)}\nOutput:\n{out}")
     return out

@@ -12,16 +12,14 @@ import socket
 import sys
 from pathlib import Path
 
+import faults_elastic
 import numpy as np
 import pytest
-from harness import ROOT, WORKERS, launch_env, namespaces_of, needs_emulation
+from harness import WORKERS, launch_env, namespaces_of, needs_emulation
 
-import perseus_env
+from perseus_shared import elastic_wire
 from perseusrun import elastic_run, launch
 from perseusrun.elastic_driver import Driver, Worker
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import faults_elastic  # noqa: E402 (benchmarks/ is on sys.path only now)
 
 # The stall limit is also how long a silent (frozen, cut off) peer is waited for on TCP.
 STALL_SECONDS = 4
@@ -56,10 +54,10 @@ def test_driver_answers_only_requests_that_prove_the_job_secret():
             with socket.create_connection((host, int(port)), timeout=10) as sock:
                 reader = sock.makefile("r", encoding="utf-8")
                 nonce = reader.readline().strip()
-                perseus_env.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
+                elastic_wire.elastic_send(sock, key, nonce, {"op": "poll", "worker": "h/0",
                                                             "nonce": "n" * 32, "round": 0})
                 if answered:
-                    answer = perseus_env.elastic_receive(reader, secret, "n" * 32, "answer")
+                    answer = elastic_wire.elastic_receive(reader, secret, "n" * 32, "answer")
                     assert answer == {"updated": False}
                 else:
                     assert reader.readline() == ""  # closed without an answer

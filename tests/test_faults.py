@@ -38,7 +38,7 @@ from harness import (
     wait_all,
 )
 
-from perseusrun import emulate, launch
+from perseusrun import emulate, supervise
 
 WORKER = str(ROOT / "tests" / "workers" / "fault_rank.py")
 
@@ -100,7 +100,7 @@ def test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host
     daemon and would wait for it, so perseusrun ends the job ABORT_GRACE_SECONDS later with the
     abort's exit code, well before its --timeout (exit 124)."""
     code, out = run_perseusrun(["--emulate-hosts", "2"], [WORKER, "cut"], MPI_LIMITS, timeout=300)
-    assert code == launch.ABORT_EXIT_CODE, out
+    assert code == supervise.ABORT_EXIT_CODE, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
 
 
@@ -195,7 +195,7 @@ def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun
     code, out = run_perseusrun(["--emulate-hosts", "2"],
                           [ROOT / CHECKPOINT_WORKER, model_dir, tmp_path, "cut"], env,
                           timeout=CHECKPOINT_TIMEOUT)
-    assert code == launch.ABORT_EXIT_CODE, out
+    assert code == supervise.ABORT_EXIT_CODE, out
     assert "UNEXPECTED" not in out, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
     assert f"rank 1 was lost; saved global step {worker.FAULT_STEP}" in out, out

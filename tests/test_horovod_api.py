@@ -9,7 +9,7 @@ import sys
 import pytest
 from harness import ROOT, WORKERS, finish, python_for, rank_env, run_ranks
 
-from perseusrun import launch
+from perseusrun import tcp_run
 
 
 @pytest.mark.parametrize("np_, controller", [(2, "mpi"), (3, "mpi"), (2, "tcp")])
@@ -77,7 +77,7 @@ def test_adasum_elastic_and_local_variables_on_tf_2_15():
 def test_is_homogeneous_is_false_for_2_plus_1_hosts_and_adasum_refuses_3_ranks():
     """Three ranks started by hand over TCP, two at 127.0.0.1 and one at 127.0.0.2 (two hosts
     by their addresses): every rank answers is_homogeneous() False, and Adasum names the 3."""
-    ports = launch.free_local_ports(3)
+    ports = tcp_run.free_local_ports(3)
     addresses = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}", f"127.0.0.2:{ports[2]}"]
     procs = [subprocess.Popen([sys.executable, str(WORKERS / "hvd_uneven_hosts.py")], cwd=ROOT,
                               env=rank_env(rank, addresses), stdout=subprocess.PIPE,

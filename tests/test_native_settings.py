@@ -28,9 +28,9 @@ SCRIPT = textwrap.dedent("""
     import sys
 
     from perseus_legacy import _core
-    from perseusrun import launch
+    from perseusrun import tcp_run
 
-    address = [f"127.0.0.1:{launch.free_local_ports(1)[0]}"]
+    address = [f"127.0.0.1:{tcp_run.free_local_ports(1)[0]}"]
     for line in sys.stdin.read().splitlines():
         name, value = line.split("\\t")
         os.environ[name] = value

@@ -26,7 +26,7 @@ from harness import (
     worker_module,
 )
 
-from perseusrun import launch
+from perseusrun import launch, supervise
 
 ESTIMATOR_WORKER = ROOT / "tests" / "workers" / "restart_estimator.py"
 MONITORED_WORKER = ROOT / "tests" / "workers" / "restart_monitored.py"
@@ -63,37 +63,46 @@ def assert_clean(model_dir: Path, tmp_path: Path, out: str) -> None:
 
 
 @needs_emulation
-def test_estimator_resumes_on_3_hosts_from_the_step_the_lowest_survivor_saved_when_rank_0_dies(
+def test_estimator_resumes_on_the_other_host_from_the_step_rank_2_saved_when_ranks_0_and_1_die(
         tmp_path, restart_worker):
-    """4 hosts x 1 rank over TCP, `--restarts 1 --min-np 3`: rank 0 (the only writer) is killed
-    after step 5, between checkpoints 4 and 8. Rank 1, the lowest survivor, saves step 5 into
-    rank 0's model_dir; the job restarts on the 3 other hosts and resumes at step 5 on every
-    rank: the final variables equal numpy's on 4-rank batches for steps 0-4, 3-rank ones after."""
+    """2 hosts x 2 ranks over TCP, `--restarts 1 --min-np 2`: host h0's ranks 0 and 1 (rank 0
+    the only writer) are killed after step 5, between checkpoints 4 and 8. The survivors may
+    each see another of them go; they agree that rank 2, the lowest survivor, saves step 5 into
+    rank 0's model_dir, and every survivor's line says so. The job restarts on h1's 2 ranks,
+    saying it resumes from step 5, and does on every rank: the final variables equal numpy's on
+    4-rank batches for steps 0-4, 2-rank ones after."""
     worker, tf = restart_worker
     model_dir, out_dir = tmp_path / "model", tmp_path / "out"
     out_dir.mkdir()
     code, out = run_perseusrun(
-        ["--tcp", "--emulate-hosts", "4", "--restarts", "1", "--min-np", "3"],
-        [ESTIMATOR_WORKER, model_dir, out_dir], {"TMPDIR": str(tmp_path)}, timeout=TIMEOUT)
+        ["--tcp", "--emulate-hosts", "2:2", "--restarts", "1", "--min-np", "2"],
+        [ESTIMATOR_WORKER, model_dir, out_dir, "0,1"], {"TMPDIR": str(tmp_path)},
+        timeout=TIMEOUT)
     assert code == 0, f"exit {code}:\n{failure_summary(out)}\n{out}"
     fault = worker.FAULT_STEP
-    assert f"[rank 0] KILLED after step {fault}" in out, out
-    assert (f"perseus_legacy[rank 1]: rank 0 was lost; saved global step {fault}: "
-            f"{model_dir}/model.ckpt-{fault}") in out, out
-    for rank in (2, 3):
-        assert (f"perseus_legacy[rank {rank}]: rank 0 was lost; rank 1 saves the last completed "
-                f"step in {model_dir}") in out, out
-    assert re.search(r"perseusrun: rank 0 lost with host \S+h0; restart 1 of 1 on 3 ranks "
-                     r"\(\S+h1:1, \S+h2:1, \S+h3:1\)", out), out
+    for rank in (0, 1):
+        assert f"[rank {rank}] KILLED after step {fault}" in out, out
+    saved = f"{model_dir}/model.ckpt-{fault}"
+    agreed = re.search(rf"perseus_legacy\[rank 2\]: rank [01] was lost; saved global step "
+                       rf"{fault}: {re.escape(saved)} \(saver agreed in ([\d.]+) s\)", out)
+    assert agreed, out
+    print(f"the survivors agreed on the saver in {agreed.group(1)} s")
+    assert re.search(rf"perseus_legacy\[rank 3\]: rank [01] was lost; rank 2 saves the last "
+                     rf"completed step \(global step {fault}\) in {re.escape(str(model_dir))}",
+                     out), out
+    assert re.search(rf"perseusrun: rank 0, 1 lost with host \S+h0; restart 1 of 1 on 2 ranks "
+                     rf"\(\S+h1:2\), from global step {fault}, saved by a survivor: "
+                     rf"{re.escape(saved)}\n", out), out
     # The graph's guarantee behind "the survivors hold the last completed step", on every rank.
-    assert len(re.findall(r"every update waits for the 2 gradient collectives", out)) == 7, out
+    assert len(re.findall(r"every update waits for the 2 gradient collectives", out)) == 6, out
 
-    sizes = [worker.FIRST_SIZE] * fault + [worker.FIRST_SIZE - 1] * (worker.TOTAL_STEPS - fault)
+    sizes = [worker.FIRST_SIZE] * fault + [2] * (worker.TOTAL_STEPS - fault)
     expected = worker.reference(sizes)
     assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault, worker.TOTAL_STEPS],
                              expected)
-    assert_resumed(out_dir, fault, expected, ranks=3)
+    assert_resumed(out_dir, fault, expected, ranks=2)
     assert_clean(model_dir, tmp_path, out)
+    assert not list(model_dir.glob(".survivor-save-*")), sorted(os.listdir(model_dir))
 
 
 @needs_emulation
@@ -107,16 +116,37 @@ def test_monitored_session_survivor_saves_the_last_step_and_too_few_ranks_left_i
     code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2", "--restarts", "1"],
                                [MONITORED_WORKER, model_dir], {"TMPDIR": str(tmp_path)},
                                timeout=TIMEOUT)
-    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    assert code not in (0, supervise.TIMEOUT_EXIT_CODE), out
     fault = worker.FAULT_STEP
     assert (f"perseus_legacy[rank 0]: rank 1 was lost; saved global step {fault}: "
             f"{model_dir}/model.ckpt-{fault}") in out, out
+    assert "saver agreed in 0.0 s" in out, out  # rank 0 knew it was the lowest
     assert re.search(r"perseusrun: error: rank 1 lost with host \S+h1: 1 rank\(s\) would "
                      r"remain, fewer than --min-np 2; not restarting", out), out
     assert "restart 1 of 1" not in out and "UNEXPECTED" not in out, out
     expected = worker.reference([2] * worker.TOTAL_STEPS)
     assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, fault], expected)
     assert_clean(model_dir, tmp_path, out)
+
+
+@needs_emulation
+def test_a_forged_frame_fails_the_job_without_dropping_the_innocent_host(tmp_path):
+    """2 hosts over TCP, `--restarts 1 --min-np 1`: after step 5 rank 1 writes a forged abort
+    notice into its control connection to rank 0 (as a party on the path could). Rank 0 acts on
+    nothing of it and the job fails naming rank 1's frame; nobody was lost, so no survivor
+    saves and the launcher does not restart without rank 1's host (before, the error's "rank 1
+    (address)" made rank 0 report rank 1 lost, and the job went on without its host)."""
+    code, out = run_perseusrun(
+        ["--tcp", "--emulate-hosts", "2", "--restarts", "1", "--min-np", "1"],
+        [MONITORED_WORKER, tmp_path / "model", "forge"], {"TMPDIR": str(tmp_path)},
+        timeout=TIMEOUT)
+    assert code not in (0, launch.TIMEOUT_EXIT_CODE), out
+    assert "[rank 1] FORGED a frame after step 5" in out, out
+    assert re.search(r"rank 1 \(\S+\) sent control frame \d+ with a MAC that does not match",
+                     out), out
+    assert "was lost" not in out and "restart 1 of 1" not in out, out
+    assert "perseusrun: the job failed (exit 1) without a lost rank: not restarting" in out, out
+    assert "INJECTED" not in out, out
 
 
 def test_mpi_job_restarts_from_rank_0s_last_periodic_checkpoint_redoing_the_steps_since(
@@ -134,7 +164,8 @@ def test_mpi_job_restarts_from_rank_0s_last_periodic_checkpoint_redoing_the_step
     assert code == 0, f"exit {code}:\n{failure_summary(out)}\n{out}"
     assert "was lost;" not in out, out  # no survivor lived to save
     assert re.search(r"noticed that process rank 0 with PID \d+ on node \S+ exited on", out), out
-    assert "perseusrun: rank 0 lost; restart 1 of 1 on 4 ranks (localhost:4)" in out, out
+    assert ("perseusrun: rank 0 lost; restart 1 of 1 on 4 ranks (localhost:4), from the last "
+            "checkpoint rank 0 wrote (no survivor saved the last completed step)") in out, out
     expected = worker.reference([worker.FIRST_SIZE] * worker.TOTAL_STEPS)
     assert_whole_checkpoints(tf, model_dir, [0, worker.EVERY, 2 * worker.EVERY,
                                              worker.TOTAL_STEPS], expected)
@@ -156,13 +187,17 @@ def test_restarts_leave_out_the_lost_ranks_host_of_a_host_list_and_stop_below_mi
     def run_once(placed: list, lost: set, left: float | None) -> int:
         runs.append(list(placed))
         lost.update(losses[len(runs) - 1])
+        if placed == placement:  # a survivor's line says which step it saved
+            lost.read("perseus_legacy[rank 0]: rank 2 was lost; saved global step 7: "
+                      "/m/model.ckpt-7 (saver agreed in 0.0 s)")
         return 1
 
     assert restarts.run_with_restarts(args, placement, run_once, local=lambda h: False) == 1
     assert runs == [["a", "a", "b", "b", "c"], ["a", "a", "c"]], runs
     err = capsys.readouterr().err
-    assert "rank 2 lost with host b; restart 1 of 3 on 3 ranks (a:2, c:1)" in err, err
-    assert ("error: rank 0 lost with host a: 1 rank(s) would remain, fewer than --min-np 2; "
+    assert ("rank 2, 3 lost with host b; restart 1 of 3 on 3 ranks (a:2, c:1), from global "
+            "step 7, saved by a survivor: /m/model.ckpt-7\n") in err, err
+    assert ("error: rank 0, 1 lost with host a: 1 rank(s) would remain, fewer than --min-np 2; "
             "not restarting") in err, err
 
     # This machine's ranks start again as many; a failure without a lost rank ends the job.
@@ -170,6 +205,10 @@ def test_restarts_leave_out_the_lost_ranks_host_of_a_host_list_and_stop_below_mi
     losses[:] = [{1}, set()]
     assert restarts.run_with_restarts(args, ["localhost"] * 2, run_once) == 1
     assert runs == [["localhost"] * 2] * 2, runs
+    err = capsys.readouterr().err
+    assert ("rank 1 lost; restart 1 of 3 on 2 ranks (localhost:2), from the last checkpoint rank "
+            "0 wrote (no survivor saved the last completed step)") in err, err
+    assert "the job failed (exit 1) without a lost rank: not restarting" in err, err
 
 
 def test_min_np_above_np_is_a_usage_error():

@@ -15,13 +15,11 @@ import subprocess
 import sys
 
 import pytest
+import scaling_model
+import scaling_projection
 from harness import ROOT, failure_summary, launch_env, needs_emulation
 
 BENCHMARKS = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-
-import scaling_model  # noqa: E402 (benchmarks/ is on sys.path only now)
-import scaling_projection  # noqa: E402
 
 
 @pytest.mark.parametrize("model", [*scaling_model.MODELS, scaling_model.TINY])
@@ -75,12 +73,13 @@ def test_gradients_have_every_tensors_scaled_size():
 
 
 @needs_emulation
-def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
+def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts_with_delayed_links(
+        tmp_path):
     out_json = tmp_path / "rows.jsonl"
     cmd = [sys.executable, str(BENCHMARKS / "scaling.py"), "--models", "tiny", "--hosts", "2",
            "--systems", "run_config_tcp,sync_hook_mpi,alone,alone_sync", "--steps", "3",
            "--warmup", "2", "--step-scale", "0.5", "--timeout", "120", "--product-tf", "2.21",
-           "--json", str(out_json),
+           "--json", str(out_json), "--link-delay", "0.5", "--link-jitter", "0.1",
            "--chart", "none"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -101,6 +100,8 @@ def test_perseus_rows_produce_numbers_and_json_on_two_emulated_hosts(tmp_path):
                       "comm_bound_examples_per_s", "cpu_ms_per_step", "cpu_busy"):
             assert row[field] is not None, (field, row)
         assert row["examples_per_s"] > 0 and row["trainers"] == row["hosts"]
+        assert (row["link_delay_ms"], row["link_jitter_ms"], row["link_loss_pct"]) == (
+            0.5, 0.1, 0), row  # the user-space links, see perseusrun/emulate.py
         if row["hosts"] == 2:  # the runtime's counters: rounds and allreduces over the steps
             if row["system"] == "alone":
                 assert row["collectives_per_step"] == 0, row

@@ -64,7 +64,8 @@ def test_every_name_the_native_runtime_reads_is_in_the_table():
 def test_python_names_only_settings_and_reads_them_through_perseus_env():
     table = {s.name for s in perseus_env.SETTINGS}
     files = [ROOT / "setup.py", *sorted((ROOT / "perseus_legacy").rglob("*.py")),
-             *sorted((ROOT / "perseusrun").rglob("*.py"))]
+             *sorted((ROOT / "perseusrun").rglob("*.py")),
+             *sorted((ROOT / "perseus_shared").rglob("*.py"))]
     unknown, direct = [], []
     for path in files:
         text = path.read_text()

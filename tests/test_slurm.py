@@ -1,22 +1,26 @@
-"""Jobs under a real Slurm on emulated hosts (perseusrun/emulate_slurm.py): srun without MPI (the
+"""Jobs under a real Slurm on emulated hosts (tests/emulate_slurm.py): srun without MPI (the
 TCP controller from Slurm's own variables), srun --mpi=pmix (MPI), and sbatch with perseusrun
 inside the allocation, each on 2 nodes x 2 tasks and checked against a one-process run.
 
-The rules that turn a Slurm step's variables into ranks (perseus_env.py) and perseusrun's rules
-in an allocation are tested first, without a cluster. The cluster needs root, iproute2 and the
-packages slurm-wlm, munge and libpmix-dev (`make slurm-packages`); without them its tests are
-skipped with the reason. Every cluster is started by the test that uses it and stopped
+The rules that turn a Slurm step's variables into ranks (perseus_shared/slurm.py) and
+perseusrun's rules in an allocation are tested first, without a cluster. The cluster needs root,
+iproute2 and the packages slurm-wlm, munge and libpmix-dev (`make slurm-packages`); without them
+its tests are skipped with the reason. Every cluster is started by the test that uses it and stopped
 (daemons, namespaces, files) after it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
+import zlib
 
+import emulate_slurm
 import pytest
 from harness import (
     BIN,
@@ -36,9 +40,9 @@ from harness import (
     trajectory,
 )
 
-import perseus_env
-from perseus_env import SlurmEnvironmentError, slurm_tcp_settings
-from perseusrun import emulate, emulate_slurm, launch, slurm_run
+from perseus_shared import slurm
+from perseus_shared.slurm import SlurmEnvironmentError, slurm_tcp_settings
+from perseusrun import emulate, launch, slurm_run
 
 PERSEUSRUN = str(BIN / "perseusrun")
 TRAIN = str(ROOT / "tests" / "workers" / "slurm_train.py")
@@ -58,21 +62,21 @@ JOB_TIMEOUT = 240
     ("a-1,b[0-1]-x", ["a-1", "b0-x", "b1-x"]),
 ])
 def test_host_lists_expand_as_scontrol_show_hostnames(text, expected):
-    assert perseus_env.expand_hostlist(text) == expected
+    assert slurm.expand_hostlist(text) == expected
 
 
 @pytest.mark.parametrize("text", ["n[1-", "n[3-1]", "n[a]", "n]1["])
 def test_a_malformed_host_list_is_named(text):
     with pytest.raises(SlurmEnvironmentError, match="host list"):
-        perseus_env.expand_hostlist(text)
+        slurm.expand_hostlist(text)
 
 
 def test_tasks_per_node_and_the_block_and_cyclic_placements():
-    assert perseus_env.expand_tasks_per_node("2(x2),1") == [2, 2, 1]
-    assert perseus_env.slurm_placement([2, 1]) == [(0, 0), (0, 1), (1, 0)]
-    assert perseus_env.slurm_placement([2, 1], "cyclic:block") == [(0, 0), (1, 0), (0, 1)]
+    assert slurm.expand_tasks_per_node("2(x2),1") == [2, 2, 1]
+    assert slurm.slurm_placement([2, 1]) == [(0, 0), (0, 1), (1, 0)]
+    assert slurm.slurm_placement([2, 1], "cyclic:block") == [(0, 0), (1, 0), (0, 1)]
     with pytest.raises(SlurmEnvironmentError, match="SLURM_DISTRIBUTION='plane=2'"):
-        perseus_env.slurm_placement([2, 2], "plane=2")
+        slurm.slurm_placement([2, 2], "plane=2")
 
 
 def step_env(**changes: str | None) -> dict:
@@ -85,18 +89,67 @@ def step_env(**changes: str | None) -> dict:
     return {k: v for k, v in env.items() if v is not None}
 
 
+def settings_of(**changes) -> dict[str, str]:
+    """The settings of step_env(**changes), this process reserving no port."""
+    return slurm_tcp_settings(step_env(**changes), reserve=False)
+
+
+def derived_port(job: int, step: int, most_local: int = 2) -> int:
+    """The default first port of a step: a CRC-32 of "job.step" over the ports from 20000 up to
+    the ephemeral range (32768) that leave room for the node's tasks."""
+    return 20000 + zlib.crc32(f"{job}.{step}".encode()) % (32768 - 20000 - most_local + 1)
+
+
 def test_a_step_without_mpi_gives_rank_addresses_from_nodes_and_local_ids():
-    settings = slurm_tcp_settings(step_env())
-    port = perseus_env.SLURM_PORT_FIRST + (42 * 8) % perseus_env.SLURM_PORT_BLOCKS * 64
+    settings = settings_of()
+    port = derived_port(42, 0)
     assert settings == {
         "PERSEUS_CONTROLLER": "tcp", "PERSEUS_TCP_RANK": "3", "PERSEUS_SECRET": SECRET,
         "PERSEUS_TCP_ADDRESSES": f"localhost:{port},localhost:{port + 1},"
                                  f"127.0.0.1:{port},127.0.0.1:{port + 1}"}
     # Another step of the job gets other ports; PERSEUS_SLURM_PORT chooses them.
-    other = slurm_tcp_settings(step_env(SLURM_STEP_ID="1"))["PERSEUS_TCP_ADDRESSES"]
-    assert f":{port + 64}," in other
-    chosen = slurm_tcp_settings(step_env(PERSEUS_SLURM_PORT="31000"))["PERSEUS_TCP_ADDRESSES"]
+    other = settings_of(SLURM_STEP_ID="1")["PERSEUS_TCP_ADDRESSES"]
+    assert other.startswith(f"localhost:{derived_port(42, 1)},")
+    chosen = settings_of(PERSEUS_SLURM_PORT="31000")["PERSEUS_TCP_ADDRESSES"]
     assert chosen.endswith("127.0.0.1:31000,127.0.0.1:31001")
+    # Slurm's own reservation for the step (srun --resv-ports) comes first.
+    reserved = settings_of(SLURM_STEP_RESV_PORTS="12000-12003", PERSEUS_SLURM_PORT="31000")
+    assert reserved["PERSEUS_TCP_ADDRESSES"].endswith("127.0.0.1:12000,127.0.0.1:12001")
+
+
+@pytest.mark.parametrize("first, second", [
+    ((42, 0), (42 + 80, 0)),  # jobs J and J+80 shared their ports
+    ((42, 8), (43, 0)),  # job J's step 8 shared job J+1's step 0
+])
+def test_steps_that_once_shared_ports_get_others_below_the_ephemeral_range(first, second):
+    ports = []
+    for job, step in (first, second):
+        addresses = settings_of(SLURM_JOB_ID=str(job), SLURM_STEP_ID=str(step))
+        ports.append([int(a.rsplit(":", 1)[1])
+                      for a in addresses["PERSEUS_TCP_ADDRESSES"].split(",")])
+    assert not set(ports[0]) & set(ports[1]), ports
+    assert all(20000 <= port < 32768 for port in ports[0] + ports[1]), ports
+
+
+def test_a_port_another_process_of_the_node_holds_is_refused_naming_it(tmp_path):
+    # A job id of this test run only: another run of these tests on the machine holds others.
+    env = step_env(SLURM_JOB_ID=str(os.getpid() + 1_000_000))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import json, sys; from perseus_shared import slurm; "
+         "slurm.slurm_tcp_settings(json.loads(sys.argv[1])); print('held', flush=True); "
+         "sys.stdin.read()", json.dumps(env)],
+        cwd=ROOT, env=launch_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(SlurmEnvironmentError, match="is already taken on this node by "
+                           "another perseus_legacy step") as error:
+            slurm_tcp_settings(env)
+        assert f"port {derived_port(int(env['SLURM_JOB_ID']), 0) + 1} (rank 3 of step 0)" in \
+            str(error.value)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    slurm_tcp_settings(env)  # free again once the holder ended; held by this process now
 
 
 @pytest.mark.parametrize("changes", [
@@ -105,7 +158,7 @@ def test_a_step_without_mpi_gives_rank_addresses_from_nodes_and_local_ids():
     {"TF_CONFIG": '{"cluster": {}}'}, {"PERSEUS_TCP_ADDRESSES": "a:1"},
 ], ids=["batch-script", "pmix", "pmi2", "mpirun", "forced-mpi", "tf-config", "perseusrun-tcp"])
 def test_slurm_variables_are_ignored_where_something_else_says_who_is_which_rank(changes):
-    assert slurm_tcp_settings(step_env(**changes)) == {}
+    assert settings_of(**changes) == {}
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -115,20 +168,67 @@ def test_slurm_variables_are_ignored_where_something_else_says_who_is_which_rank
      "node 'no-such-node.invalid' of SLURM_STEP_NODELIST does not resolve"),
     ({"PERSEUS_SECRET": None},
      "export PERSEUS_SECRET before srun (srun forwards it), or set PERSEUS_SECRET_FILE"),
+    ({"SLURM_NODEID": "one"}, "SLURM_NODEID='one' is not a non-negative integer"),
+    ({"SLURM_LOCALID": "-1"}, "SLURM_LOCALID='-1' is not a non-negative integer"),
+    ({"SLURM_STEP_RESV_PORTS": "12000-12000"}, "SLURM_STEP_RESV_PORTS='12000-12000' reserves "
+     "fewer ports than the 2 tasks of a node"),
     ({"PERSEUS_SECRET": None, "PERSEUS_SECRET_FILE": "/no/such/dir/secret"},
      "its directory /no/such/dir does not exist on this node"),
     ({"PERSEUS_SLURM_PORT": "65535"}, "PERSEUS_SLURM_PORT='65535'"),
 ])
 def test_a_bad_allocation_is_an_error_naming_the_task_and_the_variable(changes, message):
     with pytest.raises(SlurmEnvironmentError) as error:
-        slurm_tcp_settings(step_env(**changes))
+        settings_of(**changes)
     assert message in str(error.value) and "Slurm task 3 (job 42)" in str(error.value)
+
+
+def test_a_huge_host_list_is_refused_before_it_is_expanded():
+    start = time.monotonic()
+    with pytest.raises(SlurmEnvironmentError, match="more than 65536 names"):
+        slurm.expand_hostlist("n[0-99999999]")
+    with pytest.raises(SlurmEnvironmentError, match="more than 65536 names"):
+        slurm.expand_hostlist("r[0-999]n[0-999]")
+    with pytest.raises(SlurmEnvironmentError, match="more than 65536 nodes"):
+        slurm.expand_tasks_per_node("1(x99999999)")
+    assert time.monotonic() - start < 1.0
+
+
+def test_node_names_that_do_not_resolve_in_time_are_an_error_in_bound(monkeypatch):
+    release = threading.Event()
+
+    def slow_lookup(name, *args, **kwargs):
+        release.wait(30)
+        raise OSError("released")
+
+    monkeypatch.setattr(slurm, "RESOLVE_SECONDS", 0.5)
+    monkeypatch.setattr(slurm.socket, "getaddrinfo", slow_lookup)
+    start = time.monotonic()
+    try:
+        with pytest.raises(SlurmEnvironmentError, match=r"2 node name\(s\) of SLURM_STEP_NODELIST "
+                           r"did not resolve within 0.5 s \(first: '127.0.0.1'\)"):
+            settings_of(SLURM_JOB_ID="4242")  # not cached
+    finally:
+        release.set()
+    assert time.monotonic() - start < 3.0
 
 
 def test_the_secret_is_read_from_a_file_in_a_shared_directory(tmp_path):
     (tmp_path / "secret").write_text(SECRET + "\n")
+    (tmp_path / "secret").chmod(0o600)
     env = step_env(PERSEUS_SECRET=None, PERSEUS_SECRET_FILE=str(tmp_path / "secret"))
-    assert slurm_tcp_settings(env)["PERSEUS_SECRET"] == SECRET
+    assert slurm_tcp_settings(env, reserve=False)["PERSEUS_SECRET"] == SECRET
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660])
+def test_a_secret_file_others_can_read_or_change_is_refused_naming_it_and_its_mode(tmp_path,
+                                                                                   mode):
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(mode)
+    with pytest.raises(SlurmEnvironmentError) as error:
+        settings_of(PERSEUS_SECRET=None, PERSEUS_SECRET_FILE=str(path))
+    assert f"PERSEUS_SECRET_FILE='{path}' has mode {mode:04o}" in str(error.value)
+    assert f"chmod 600 {path}" in str(error.value) and "Slurm task 3 (job 42)" in str(error.value)
 
 
 # ---- a real Slurm on emulated hosts ------------------------------------------------------------
@@ -197,7 +297,7 @@ def test_the_emulated_nodes_are_slurm_nodes_named_by_their_hostnames(cluster):
     assert names == sorted(cluster.node_names * 2), out
     listed = run_on_login_node(cluster, ["scontrol", "show", "hostnames",
                                          f"{cluster.node_names[0][:-1]}[0-1]"], timeout=60)
-    assert listed.split() == cluster.node_names == perseus_env.expand_hostlist(
+    assert listed.split() == cluster.node_names == slurm.expand_hostlist(
         f"{cluster.node_names[0][:-1]}[0-1]")
 
 
@@ -208,6 +308,7 @@ def test_srun_without_mpi_trains_over_tcp_like_one_process(cluster):
     directory; local/cross ranks follow the nodes; Adam ends where one process ends."""
     secret = cluster.directory / "secret"
     secret.write_text(SECRET)
+    secret.chmod(0o600)
     out = run_on_login_node(
         cluster, srun(sys.executable, TRAIN, "tcp", 2, 2, cluster.directory / "tcp"),
         env={"PERSEUS_SECRET_FILE": str(secret)})
@@ -225,18 +326,57 @@ def test_srun_mpi_pmix_trains_over_mpi_like_one_process(cluster):
 
 
 @needs_slurm
-def test_a_missing_secret_directory_is_named_by_every_task(cluster):
+def test_a_missing_or_world_readable_secret_file_is_named_by_every_task(cluster):
     """Each task of a real step reads its own variables and names the problem. (What init()
     reads, without its TensorFlow start-up: the srun tests above go through init().)"""
     missing = cluster.directory / "not-shared" / "secret"
-    reads = "import os, perseus_env; perseus_env.slurm_tcp_settings(os.environ)"
-    out = run_on_login_node(
-        cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
-        env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(missing)}, expect_failure=True)
-    for rank in range(4):
-        assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{missing}'" in out, \
-            out
-    assert out.count(f"its directory {missing.parent} does not exist on this node") == 4, out
+    readable = cluster.directory / "readable-secret"
+    readable.write_text(SECRET)
+    readable.chmod(0o644)
+    reads = "import os; from perseus_shared import slurm; slurm.slurm_tcp_settings(os.environ)"
+    for path, problem in ((missing, f"its directory {missing.parent} does not exist on this "
+                                    "node"),
+                          (readable, "has mode 0644: the job secret must be readable by its "
+                                     "owner only")):
+        out = run_on_login_node(
+            cluster, srun(sys.executable, "-c", reads, kill_on_bad_exit=False),
+            env={"PERSEUS_SECRET": "", "PERSEUS_SECRET_FILE": str(path)}, expect_failure=True)
+        for rank in range(4):
+            assert f"Slurm task {rank} (job " in out and f"PERSEUS_SECRET_FILE='{path}'" in out, \
+                out
+        assert out.count(problem) == 4, out
+
+
+@needs_slurm
+def test_two_jobs_whose_ports_once_collided_run_together_on_one_node(cluster):
+    """Job J's step 8 and job J+1's step 0 (which shared their ports) run at the same time on
+    one node, each task holding its port as init() does: both hold their own."""
+    ready = cluster.directory / "ready"
+    ready.mkdir()
+    node = cluster.node_names[0]
+    holder = f"{sys.executable} {ROOT / 'tests' / 'workers' / 'slurm_port_holder.py'} {ready} 2"
+    jobs = []
+    for wrap in ("for i in 0 1 2 3 4 5 6 7; do srun true || exit 1; done; " f"srun {holder}",
+                 f"srun {holder}"):  # steps 0-7 end before the last one starts
+        argv = ["sbatch", "--wait", "--parsable", "-w", node, "-N1", "-n1",
+                f"--output={cluster.directory}/%j.out", "--wrap", wrap]
+        proc = subprocess.Popen(cluster.command(argv), env=cluster.env(launch_env(
+            {"PERSEUS_SECRET": SECRET})), cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+        jobs.append((proc, int(proc.stdout.readline().strip().split(";")[0])))
+    for proc, _ in jobs:
+        try:
+            proc.wait(timeout=JOB_TIMEOUT)
+        finally:
+            proc.kill()
+    out = "".join((cluster.directory / f"{job}.out").read_text() for _, job in jobs)
+    first, second = (job for _, job in jobs)
+    assert second == first + 1, out
+    held = re.findall(r"HELD job (\d+) step (\d+) port (\d+)", out)
+    assert sorted((int(job), int(step)) for job, step, _ in held) == [(first, 8), (second, 0)], \
+        f"{out}\n{cluster.logs()}"
+    assert held[0][2] != held[1][2], out
+    assert [proc.returncode for proc, _ in jobs] == [0, 0], out
 
 
 @needs_slurm
@@ -278,6 +418,18 @@ def test_perseusrun_in_an_allocation_takes_its_nodes_and_slots_and_not_in_a_step
     assert launch.choose_backend(with_hosts, BATCH_ENV) is not slurm_run
     run = slurm_run.prepare(args, dict(BATCH_ENV))
     assert args.np == 4 and args.hosts == "n1:2,n2:2" and callable(run)
+
+
+def test_perseusrun_refuses_a_secret_file_others_can_read_before_launching(capsys, monkeypatch,
+                                                                           tmp_path):
+    path = tmp_path / "secret"
+    path.write_text(SECRET)
+    path.chmod(0o644)
+    for name, value in dict(BATCH_ENV, PERSEUS_SECRET_FILE=str(path)).items():
+        monkeypatch.setenv(name, value)
+    assert launch.main(["--tcp", "python", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert f"perseusrun: error: perseusrun: PERSEUS_SECRET_FILE='{path}' has mode 0644" in err, err
 
 
 def test_perseusrun_in_a_bad_allocation_exits_2_naming_it(capsys, monkeypatch):

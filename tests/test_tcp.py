@@ -19,7 +19,7 @@ import pytest
 from harness import ROOT, WORKERS, finish, rank_env, run_ranks, task_env, worker_module
 
 from perseus_legacy.common import tf_config
-from perseusrun import launch
+from perseusrun import launch, supervise, tcp_run
 
 SECRET = "test-secret-0123456789"
 IMPOSTOR = worker_module("tcp_impostor")  # the handshake as a stranger speaks it
@@ -128,7 +128,7 @@ def test_bad_settings_are_named():
 def test_rendezvous_handshake_agrees_with_pythons_hmac_sha256(secret):
     """Rank 0 accepts a dialer whose claim carries Python's HMAC-SHA-256 and answers with the
     HMAC Python computes; the same claim with one bit of its HMAC flipped is refused."""
-    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(2)]
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(2)]
     env = rank_env(0, addresses, secret=secret.decode(), start_timeout=10)
     rank0 = subprocess.Popen([sys.executable, str(WORKERS / "tcp_task.py"), "init"], cwd=ROOT,
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -199,7 +199,7 @@ def start_tasks(cluster: dict, tasks: list, mode: str, env: dict | None = None,
 
 
 def cluster_of(ranks: int, evaluator: bool = False) -> dict:
-    ports = launch.free_local_ports(ranks + evaluator)
+    ports = tcp_run.free_local_ports(ranks + evaluator)
     cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
                "worker": [f"127.0.0.1:{p}" for p in ports[1:ranks]]}
     if evaluator:
@@ -302,7 +302,7 @@ def test_perseusrun_tcp_fails_when_every_rank_fails_at_once(capfd):
 def test_perseusrun_tcp_timeout_exits_124(capfd):
     code, out, err = run_tcp_launcher(capfd, "-np", "2", "--timeout", "2", sys.executable,
                                       str(WORKERS / "tcp_launch_worker.py"), "hang")
-    assert code == launch.TIMEOUT_EXIT_CODE, out + err
+    assert code == supervise.TIMEOUT_EXIT_CODE, out + err
     assert "ran longer than --timeout 2 s" in err, err
 
 

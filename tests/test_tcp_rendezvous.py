@@ -31,7 +31,7 @@ from harness import (
     worker_module,
 )
 
-from perseusrun import emulate, launch
+from perseusrun import emulate, emulated_run, tcp_run
 
 TIMEOUT = 150
 IMPOSTOR = worker_module("tcp_impostor")  # the handshake as a stranger speaks it
@@ -78,7 +78,7 @@ def test_job_forms_despite_idle_and_garbage_connections_and_the_ranks_log_them()
     without the secret) to rank 0 and to rank 1 while they wait for the other ranks: more than
     the handshakes a rank lets wait from one address, so the oldest idle ones are dropped for
     newer ones."""
-    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(3)]
     ranks = []
     strangers: dict[int, list[socket.socket]] = {0: [], 1: []}
     names: dict[int, set[str]] = {0: set(), 1: set()}
@@ -135,7 +135,7 @@ def test_a_rank_with_a_wrong_secret_fails_the_job_on_every_rank_naming_it():
     """Rank 1 of 3 has another secret: rank 1 fails at once, refused by rank 0; ranks 0 and
     2 fail when the start timeout ends, each naming rank 1 as the one that did not prove the
     secret (rank 2 was refused by it, or could not reach it)."""
-    addresses = [f"127.0.0.1:{port}" for port in launch.free_local_ports(3)]
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(3)]
     ranks = [start_rank(0, addresses, "init", start_timeout=15),
              start_rank(1, addresses, "init", start_timeout=15, secret="a-secret-of-another-job"),
              start_rank(2, addresses, "init", start_timeout=15)]
@@ -161,7 +161,7 @@ def test_a_wrong_secret_from_another_host_is_refused_logged_with_its_address_and
     claims to be rank 1 with another secret: rank 0 refuses it, logs C's address, and the job
     forms when the real rank 1 arrives."""
     with emulate.emulated_hosts(3) as hosts:
-        addresses = [f"{hosts[i].address}:{launch.EMULATED_TCP_PORT}" for i in range(2)]
+        addresses = [f"{hosts[i].address}:{emulated_run.EMULATED_TCP_PORT}" for i in range(2)]
         zero = start_rank(0, addresses, host=hosts[0])
         ranks = [zero]
         try:
@@ -219,7 +219,7 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
     wrong-secret claims, far more than 32 per half second) and host B, rank 1's own address,
     sends garbage and wrong-secret claims and holds a few idle connections. Pending handshakes
     are counted per source, so the strangers of C only drop each other and the job forms."""
-    port = launch.EMULATED_TCP_PORT
+    port = emulated_run.EMULATED_TCP_PORT
     with emulate.emulated_hosts(3) as hosts:
         zero, one, stranger = hosts
         # The same address list on both ranks: rank0host is rank 0 on A, and on B the proxy.
@@ -266,11 +266,35 @@ def test_a_rank_whose_claims_arrive_late_joins_through_a_flood_from_strangers_an
     assert drops and int(drops.group(1)) > 100, everything
 
 
+def test_64_ranks_behind_a_resolver_that_answers_in_1_s_form_well_within_the_start_timeout():
+    """64 ranks on 127.0.0.1 whose every name lookup answers 1 s late
+    (PERSEUS_DEBUG_RESOLVE_SECS=1), with a 50 s start timeout. Each process looks each distinct
+    name up once, the accept loop all of them at once: before, rank 0 looked up each higher
+    rank's name in turn (63 s) and every rank looked up each rank it dialed (up to 64 s)."""
+    addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(64)]
+    ranks = []
+    try:
+        for rank in range(64):
+            env = {**rank_env(rank, addresses, start_timeout=50),
+                   "PERSEUS_DEBUG_RESOLVE_SECS": "1"}
+            ranks.append(subprocess.Popen(
+                [sys.executable, str(WORKERS / CORE_TASK), "init"], cwd=ROOT, env=env,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        start = time.monotonic()
+        results = finish(ranks, TIMEOUT)
+        print(f"64 ranks formed in {time.monotonic() - start:.1f} s behind a 1 s resolver")
+    finally:
+        end_processes(ranks)
+    everything = "\n".join(out for _, out in results)
+    for rank, (code, out) in enumerate(results):
+        assert code == 0 and f"[rank {rank}] INIT OK" in out, everything
+
+
 def test_a_strangers_failed_claim_is_logged_but_never_the_jobs_failure():
     """Rank 1 (127.0.0.2) never starts; a stranger from 127.0.0.1 claims to be rank 1 with
     another secret. Rank 0 logs the refusal, and its start-up failure names rank 1 as never
     arrived, not the stranger's claim."""
-    ports = launch.free_local_ports(2)
+    ports = tcp_run.free_local_ports(2)
     addresses = [f"127.0.0.1:{ports[0]}", f"127.0.0.2:{ports[1]}"]
     rank0 = start_rank(0, addresses, "init", worker=CORE_TASK, start_timeout=4)
     try:
@@ -294,7 +318,7 @@ def test_a_strangers_failed_claim_is_logged_but_never_the_jobs_failure():
 def test_a_peer_trickling_its_hello_cannot_hold_the_dialer_past_the_start_timeout():
     """A fake rank 0 accepts rank 1 and sends its hello one byte every 0.25 s (19 s in all):
     rank 1 gives up when its 3 s start timeout ends, not when the trickle does."""
-    ports = launch.free_local_ports(2)
+    ports = tcp_run.free_local_ports(2)
     addresses = [f"127.0.0.1:{port}" for port in ports]
     fake = socket.create_server(("127.0.0.1", ports[0]))
     rank1 = start_rank(1, addresses, "init", worker=CORE_TASK, start_timeout=3)
@@ -334,7 +358,7 @@ def test_two_jobs_sharing_a_secret_cannot_cross_connect():
     """Job A's rank 0 and a rank 1 given another job's address list (job B's, with job A's
     address for rank 0), the same secret: rank 1 fails at once saying the process there is of
     another job; rank 0 does not take it for its rank 1."""
-    ports = launch.free_local_ports(3)
+    ports = tcp_run.free_local_ports(3)
     job_a = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"]
     job_b = [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[2]}"]
     ranks = [start_rank(0, job_a, "init", worker=CORE_TASK, start_timeout=3),

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from harness import QUIET_ENV, ROOT, WORKERS
 
-from perseusrun import launch
+from perseusrun import tcp_run
 
 SECRET = "without-mpi-secret-0123456789"
 
@@ -91,7 +91,7 @@ def test_mpi_is_registered_as_not_built_and_init_over_mpi_says_so(lib):
 
 
 def test_two_ranks_allreduce_over_tcp_against_numpy(lib):
-    addresses = ",".join(f"127.0.0.1:{p}" for p in launch.free_local_ports(2))
+    addresses = ",".join(f"127.0.0.1:{p}" for p in tcp_run.free_local_ports(2))
     procs = [subprocess.Popen([sys.executable, str(WORKERS / "without_mpi_task.py"), "allreduce",
                                str(rank), addresses],
                               cwd=lib, env=rank_env(lib), stdout=subprocess.PIPE,

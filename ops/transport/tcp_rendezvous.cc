@@ -21,7 +21,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -55,13 +57,22 @@ constexpr int kLoggedRefusals = 4;
 constexpr char kAuthFailed[] = "authentication failed";
 // How long a rank that was not joined looks up the missing ranks' names, to tell why.
 constexpr double kUnresolvedCheckSecs = 1.0;
-// How long the accept loop looks up each higher rank's name to count its handshakes by source.
+// How long the accept loop looks up the higher ranks' names (each distinct name once, all at
+// once) to count their handshakes by source.
 constexpr double kSourceLookupSecs = 1.0;
+// A handshake accepted less than this long ago is never dropped for a newer connection: a rank
+// answers the hello at once, so a burst of connections from its own address (every rank of a
+// job on one host shares 127.0.0.1) cannot push its handshake out before its claim is read.
+// A newer connection that finds its source's slots full of younger ones is refused instead (the
+// dialer of a real rank tries again).
+constexpr double kAnswerGraceSecs = 1.0;
 
 // Why the listening side dropped a connection, as counted in the start-up summary.
-enum class Refusal { kIdle, kDropped, kGarbage, kWrongSecret, kOther, kCount };
+enum class Refusal { kIdle, kDropped, kBusy, kGarbage, kWrongSecret, kOther, kCount };
 constexpr const char* kRefusalNames[] = {"idle or closed before finishing the handshake",
                                          "dropped for newer connections from the same address",
+                                         "refused while the handshakes from the same address "
+                                         "were all younger than 1 s",
                                          "sent bytes that are not a handshake of this job",
                                          "did not prove the job secret",
                                          "claimed a rank that was already connected"};
@@ -133,14 +144,21 @@ struct Lookup {
   std::vector<Endpoint> endpoints;
 };
 
-// getaddrinfo(host, port) on a helper thread, waited for until `until`: the call cannot be
+// For tests only: PERSEUS_DEBUG_RESOLVE_SECS=S makes every lookup answer S seconds late, as a
+// slow resolver would (tests/test_tcp_rendezvous.py).
+double DebugResolveDelaySecs() {
+  const char* text = std::getenv("PERSEUS_DEBUG_RESOLVE_SECS");
+  return text == nullptr ? 0.0 : std::max(0.0, std::atof(text));
+}
+
+// getaddrinfo(host, port) on a helper thread, which owns its result: the call cannot be
 // interrupted and can block for the resolver's whole timeout (resolv.conf's attempts x
-// timeout), so a lookup still running at `until` is left to its thread, which owns its result,
-// and false is returned. Otherwise `rc` and every address found.
-bool LookupUntil(const std::string& host, const std::string& port, double until, int* rc,
-                 std::vector<Endpoint>* out) {
+// timeout), so whoever waits for it may stop waiting (WaitLookup) and leave it running.
+std::shared_ptr<Lookup> StartLookup(const std::string& host, const std::string& port) {
   auto lookup = std::make_shared<Lookup>();
   std::thread([lookup, host, port] {
+    const double delay = DebugResolveDelaySecs();
+    if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
     hints.ai_socktype = SOCK_STREAM;
@@ -161,11 +179,79 @@ bool LookupUntil(const std::string& host, const std::string& port, double until,
     lookup->done = true;
     lookup->finished.notify_all();
   }).detach();
-  std::unique_lock<std::mutex> lock(lookup->mutex);
+  return lookup;
+}
+
+// Waits for `lookup` until `until`: false when it has not answered by then; else its `rc` and
+// every address found.
+bool WaitLookup(Lookup& lookup, double until, int* rc, std::vector<Endpoint>* out) {
+  std::unique_lock<std::mutex> lock(lookup.mutex);
   const std::chrono::duration<double> wait(std::max(0.0, until - Now()));
-  if (!lookup->finished.wait_for(lock, wait, [&] { return lookup->done; })) return false;
-  *rc = lookup->rc;
-  *out = lookup->endpoints;
+  if (!lookup.finished.wait_for(lock, wait, [&] { return lookup.done; })) return false;
+  *rc = lookup.rc;
+  *out = lookup.endpoints;
+  return true;
+}
+
+// The addresses of the names this process has resolved for one job (`job`: its digest), so
+// that a name shared by many ranks (every slot of a host) is looked up once, not once per rank
+// by the dialer and again by the accept loop. Only answers with addresses are kept: a name not
+// published yet is looked up again. Another job (an elastic regroup: a new address list) looks
+// its names up afresh.
+class ResolvedNames {
+ public:
+  static ResolvedNames& Get() {
+    static ResolvedNames names;
+    return names;
+  }
+  bool Find(const std::string& job, const std::string& host, std::vector<Endpoint>* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (job != job_) return false;
+    const auto found = found_.find(host);
+    if (found == found_.end()) return false;
+    *out = found->second;
+    return true;
+  }
+  void Keep(const std::string& job, const std::string& host,
+            const std::vector<Endpoint>& endpoints) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (job != job_) {
+      job_ = job;
+      found_.clear();
+    }
+    found_[host] = endpoints;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::string job_;
+  std::map<std::string, std::vector<Endpoint>> found_;
+};
+
+// `endpoints` with their port set to `port` (a cached name's addresses serve every rank on it).
+void SetPort(std::vector<Endpoint>* endpoints, const std::string& port) {
+  const auto number = htons(static_cast<uint16_t>(std::atoi(port.c_str())));
+  for (Endpoint& endpoint : *endpoints) {
+    if (endpoint.address.ss_family == AF_INET) {
+      reinterpret_cast<sockaddr_in*>(&endpoint.address)->sin_port = number;
+    } else if (endpoint.address.ss_family == AF_INET6) {
+      reinterpret_cast<sockaddr_in6*>(&endpoint.address)->sin6_port = number;
+    }
+  }
+}
+
+// One bounded lookup: StartLookup then WaitLookup until `until`; an answer with addresses is
+// kept for `job`.
+bool LookupUntil(const std::string& job, const std::string& host, const std::string& port,
+                 double until, int* rc, std::vector<Endpoint>* out) {
+  if (ResolvedNames::Get().Find(job, host, out)) {
+    SetPort(out, port);
+    *rc = 0;
+    return true;
+  }
+  const auto lookup = StartLookup(host, port);
+  if (!WaitLookup(*lookup, until, rc, out)) return false;
+  if (*rc == 0 && !out->empty()) ResolvedNames::Get().Keep(job, host, *out);
   return true;
 }
 
@@ -196,8 +282,8 @@ void LogRank(int rank, const std::string& text) {
 // resolve yet is looked up again until `deadline` (Kubernetes publishes the name of a pod's
 // headless service only after the pod starts), logging once that it waits; each lookup is
 // bounded by the deadline as well. `limit` names the start timeout for the error.
-Status Resolve(const std::string& address, int me, int owner, double deadline,
-               const std::string& limit, std::vector<Endpoint>* out) {
+Status Resolve(const std::string& job, const std::string& address, int me, int owner,
+               double deadline, const std::string& limit, std::vector<Endpoint>* out) {
   std::string host, port;
   if (!SplitAddress(address, &host, &port)) {
     return Status::Error("perseus_legacy: \"" + address + "\" is not a host:port address");
@@ -211,7 +297,7 @@ Status Resolve(const std::string& address, int me, int owner, double deadline,
   std::string last;
   while (true) {
     int rc = 0;
-    if (!LookupUntil(host, port, deadline, &rc, out)) {
+    if (!LookupUntil(job, host, port, deadline, &rc, out)) {
       last = "the last lookup had no answer when the time was up";
     } else if (rc == 0 && !out->empty()) {
       if (waiting) LogRank(me, what + " resolved after " + Seconds(Now() - start) + " s");
@@ -361,7 +447,7 @@ Status TcpController::Rendezvous() {
   for (const std::string& address : options_.addresses) job += address + "\n";
   job_digest_ = AsString(Sha256("perseus-job\n" + job));
   std::vector<Endpoint> own;
-  Status s = Resolve(options_.addresses[me], me, me, deadline, limit, &own);
+  Status s = Resolve(job_digest_, options_.addresses[me], me, me, deadline, limit, &own);
   if (!s.ok()) return s;
   Socket listener;  // on the first of the name's addresses that this machine can listen on
   std::string why;
@@ -423,7 +509,7 @@ Status TcpController::Rendezvous() {
       std::vector<Endpoint> found;
       std::string unresolved;
       if (SplitAddress(options_.addresses[peer], &host, &port) &&
-          LookupUntil(host, port, check_until, &rc, &found) && rc != 0) {
+          LookupUntil(job_digest_, host, port, check_until, &rc, &found) && rc != 0) {
         unresolved = " (its name \"" + host + "\" does not resolve here either: " +
                      gai_strerror(rc) + ")";
       }
@@ -467,6 +553,7 @@ struct TcpController::Pending {
   Socket socket;
   std::string from;    // its address, for the log
   size_t source;       // whose slots it takes (AcceptLoop's `slots`)
+  double accepted;     // when it was accepted
   double deadline;     // when it is dropped if it has not finished
   std::string nonce;   // our challenge
   std::string claim;   // what it has sent so far
@@ -476,9 +563,12 @@ struct TcpController::Pending {
 // connection, each with its own deadline. Pending connections are counted per source address:
 // each host of a rank that dials this one has slots of its own (kPendingPerSource beyond the
 // connections its ranks make), all other addresses share kPendingPerSource; a new connection
-// drops the oldest pending one of its own source when those are full. A flood from elsewhere
-// thus never touches a real rank's handshake however long its claim takes to arrive, and costs
-// at most kPendingPerSource descriptors.
+// drops the oldest pending one of its own source when those are full, unless that one was
+// accepted less than kAnswerGraceSecs ago: then the new connection is refused. A flood from
+// elsewhere thus never touches a real rank's handshake however long its claim takes to arrive,
+// a flood from a rank's own address (127.0.0.1 for every rank of a one-host job) cannot push
+// out a handshake before the rank had its time to answer, and either costs at most
+// kPendingPerSource descriptors.
 void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<bool>* stop,
                                std::vector<std::string>* unproven) {
   auto all_arrived = [&] {
@@ -493,19 +583,40 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
   std::vector<std::string> hosts;
   std::vector<size_t> slots;
   std::vector<size_t> source_of_rank(size_, SIZE_MAX);
+  // Each distinct name once, all of them at once, within kSourceLookupSecs: a job of hundreds of
+  // ranks on a few hosts behind a slow resolver costs one lookup's time, not one per rank. A
+  // name not published yet (Dial waits for it and reports it) leaves that rank's handshakes
+  // among the strangers', as before this accounting.
+  std::map<std::string, std::pair<std::string, std::shared_ptr<Lookup>>> lookups;  // by name
+  std::vector<Endpoint> cached;
   for (int peer = options_.rank + 1; peer < size_; ++peer) {
-    // One bounded lookup: a name not published yet (Dial waits for it and reports it) leaves
-    // that rank's handshakes among the strangers', as before this accounting.
     std::string name, port_text;
-    std::vector<Endpoint> found;
-    int rc = 0;
-    if (!SplitAddress(options_.addresses[peer], &name, &port_text) ||
-        !LookupUntil(name, port_text, std::min(deadline, Now() + kSourceLookupSecs), &rc,
-                     &found) ||
-        rc != 0) {
-      continue;
+    if (SplitAddress(options_.addresses[peer], &name, &port_text) && !lookups.count(name)) {
+      lookups[name] = {port_text, ResolvedNames::Get().Find(job_digest_, name, &cached)
+                                      ? nullptr
+                                      : StartLookup(name, port_text)};
     }
-    for (const Endpoint& endpoint : found) {  // the rank dials from one of these
+  }
+  const double lookups_until = std::min(deadline, Now() + kSourceLookupSecs);
+  std::map<std::string, std::vector<Endpoint>> found_by_name;
+  for (auto& [name, started] : lookups) {
+    int rc = 0;
+    std::vector<Endpoint> found;
+    if (started.second == nullptr) {
+      ResolvedNames::Get().Find(job_digest_, name, &found);
+    } else if (!WaitLookup(*started.second, lookups_until, &rc, &found) || rc != 0) {
+      continue;
+    } else if (!found.empty()) {
+      ResolvedNames::Get().Keep(job_digest_, name, found);
+    }
+    found_by_name[name] = std::move(found);
+  }
+  for (int peer = options_.rank + 1; peer < size_; ++peer) {
+    std::string name, port_text;
+    if (!SplitAddress(options_.addresses[peer], &name, &port_text)) continue;
+    const auto found = found_by_name.find(name);
+    if (found == found_by_name.end()) continue;
+    for (const Endpoint& endpoint : found->second) {  // the rank dials from one of these
       int port = 0;
       const std::string host = NumericHost(endpoint.address, &port);
       const size_t index = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
@@ -603,10 +714,17 @@ void TcpController::AcceptLoop(int listener, double deadline, const std::atomic<
       const std::string host = PeerHost(fd.fd(), &port);
       const size_t source = std::find(hosts.begin(), hosts.end(), host) - hosts.begin();
       Pending p{std::move(fd), host + ":" + std::to_string(port),
-                source < strangers ? source : strangers, now + kHandshakeSecs, "", ""};
+                source < strangers ? source : strangers, now, now + kHandshakeSecs, "", ""};
       if (pending_of[p.source] >= slots[p.source]) {  // the oldest is the likeliest idle one
         const auto oldest = std::find_if(pending.begin(), pending.end(),
                                          [&](const Pending& q) { return q.source == p.source; });
+        if (now - oldest->accepted < kAnswerGraceSecs) {  // none has had its time to answer
+          log.Add(p.from, Refusal::kBusy,
+                  "refused: " + std::to_string(slots[p.source]) + " handshakes from " +
+                      (p.source == strangers ? "addresses of no rank" : host) +
+                      " are under way, none for " + Seconds(kAnswerGraceSecs) + " s yet");
+          continue;  // closing it: a real rank dials again
+        }
         log.Add(oldest->from, Refusal::kDropped,
                 "dropped to make room for a newer connection from the same address (at most " +
                     std::to_string(slots[p.source]) + " handshakes wait at once from " +
@@ -699,7 +817,7 @@ HmacKey TcpController::ControlKey(const std::string& listener_nonce,
 // both sides prove the secret. Every step is bounded by the start deadline.
 Status TcpController::Dial(int peer, int channel, double deadline, bool* refused) {
   std::vector<Endpoint> endpoints;
-  Status s = Resolve(options_.addresses[peer], options_.rank, peer, deadline,
+  Status s = Resolve(job_digest_, options_.addresses[peer], options_.rank, peer, deadline,
                      "PERSEUS_START_TIMEOUT=" + Seconds(options_.start_timeout_secs) + " s",
                      &endpoints);
   if (!s.ok()) return s;

@@ -42,8 +42,8 @@ def _comm_handle(comm: Any) -> int:
 def init(comm: Any = None, process_sets: Any = None) -> None:
     """Joins the process group: MPI_COMM_WORLD, the mpi4py `comm` given, or TF_CONFIG's tasks.
 
-    Without `comm`, perseus_legacy.tf_config.controller_from_env() picks the transport: MPI under
-    an MPI launcher, TCP (MPI never initialized) for TF_CONFIG or `perseusrun --tcp`.
+    Without `comm`, tf_config.controller_from_env() picks the transport: MPI under an MPI
+    launcher, TCP (MPI never initialized) for TF_CONFIG or `perseusrun --tcp`.
     `process_sets`: ProcessSet objects (or rank lists) registered right after, in order; every
     rank must pass the same list. Horovod's "dynamic" is accepted: sets may always be added later.
     """
@@ -78,7 +78,7 @@ def _join_group(comm: Any) -> None:
         raise tf_config.TFConfigError(
             f"this process is the TF_CONFIG {cluster.task_type!r} task, which is not a rank: "
             "it must not call init() or run collectives (check "
-            "perseus_legacy.tf_config.current_cluster().is_rank first)")
+            "perseus_legacy.common.tf_config.current_cluster().is_rank first)")
     core().init_tcp(cluster.rank, list(cluster.addresses), cluster.local_rank,
                     cluster.local_size, cluster.cross_rank, cluster.cross_size,
                     tf_config.job_secret(), tf_config.start_timeout())

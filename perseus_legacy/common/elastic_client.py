@@ -4,11 +4,12 @@ still runs. Framework-free: basics.init() asks it for the group to join.
 
 The driver runs in the launcher when `perseusrun --tcp` is elastic (--min-np, --max-np or
 --host-discovery-script); it sets PERSEUS_ELASTIC_DRIVER and PERSEUS_ELASTIC_WORKER on every
-worker it starts. Every message proves the job secret (perseus_env.elastic_send).
+worker it starts. Every message proves the job secret (perseus_shared/elastic_wire.py).
 """
 
 from __future__ import annotations
 
+import os
 import secrets
 import socket
 import sys
@@ -18,10 +19,18 @@ from dataclasses import dataclass
 
 import perseus_env
 from perseus_env import ELASTIC_DRIVER_VARIABLE, ELASTIC_WORKER_VARIABLE
+from perseus_shared import elastic_wire
 
 # A worker sends a heartbeat this often; the driver counts a worker silent for a few as lost.
 HEARTBEAT_SECONDS = 0.5
 CONNECT_SECONDS = 10.0
+# A worker waiting for its round hears from the driver every KEEPALIVE_SECONDS; silence this long
+# means the driver is gone or cut off.
+SILENT_DRIVER_SECONDS = 10.0
+# The driver refusing connections this long (its perseusrun ended, even by SIGKILL), or silent
+# this long, ends the worker: nothing else would.
+DRIVER_REFUSED_SECONDS = 2.0
+DRIVER_GONE_EXIT_CODE = 1
 
 
 class ElasticExit(SystemExit):
@@ -71,38 +80,74 @@ def _worker() -> str:
     return name
 
 
-def _connect(timeout: float | None) -> tuple[socket.socket, object, str]:
+def _connect(timeout: float) -> tuple[socket.socket, object, str]:
     sock = socket.create_connection(_driver(), timeout=CONNECT_SECONDS)
-    sock.settimeout(timeout)
-    reader = sock.makefile("r", encoding="utf-8")
-    nonce = reader.readline(256).strip()
-    return sock, reader, nonce
+    try:
+        reader = sock.makefile("r", encoding="utf-8")
+        nonce = reader.readline(256).strip()
+        if not nonce:
+            raise ConnectionResetError(f"the elastic driver at {_address()} closed the "
+                                       "connection before its nonce")
+        sock.settimeout(timeout)
+        return sock, reader, nonce
+    except BaseException:
+        sock.close()
+        raise
 
 
-def request(message: dict, secret: str, timeout: float | None = None) -> dict:
-    """Sends one request to the driver and returns its answer (blocks until it comes)."""
+def _address() -> str:
+    return perseus_env.read(ELASTIC_DRIVER_VARIABLE) or "?"
+
+
+def request(message: dict, secret: str, timeout: float = SILENT_DRIVER_SECONDS) -> dict:
+    """Sends one request to the driver and returns its answer. Blocks while the driver forms
+    the round (it says so every KEEPALIVE_SECONDS); TimeoutError when it is silent for
+    `timeout` seconds."""
     sock, reader, nonce = _connect(timeout)
     try:
         mine = secrets.token_hex(16)
-        perseus_env.elastic_send(sock, secret, nonce, {**message, "worker": _worker(),
+        elastic_wire.elastic_send(sock, secret, nonce, {**message, "worker": _worker(),
                                                        "nonce": mine})
-        return perseus_env.elastic_receive(reader, secret, mine, "the elastic driver's answer")
+        return elastic_wire.elastic_receive(reader, secret, mine, "the elastic driver's answer")
     finally:
         reader.close()
         sock.close()
 
 
 def _heartbeat(secret: str) -> None:
+    """Tells the driver every HEARTBEAT_SECONDS that this process runs; ends the process when the
+    driver is gone (perseusrun ended, even by SIGKILL: its workers run in sessions of their own
+    and would otherwise train on, or wait, forever)."""
+    heard = refused_since = time.monotonic()
     while True:
         try:
-            sock, reader, nonce = _connect(None)
-            perseus_env.elastic_send(sock, secret, nonce, {"op": "heartbeat",
-                                                           "worker": _worker(), "nonce": ""})
-            while True:
-                sock.sendall(b".")
-                time.sleep(HEARTBEAT_SECONDS)
+            sock, reader, nonce = _connect(SILENT_DRIVER_SECONDS)
+            with sock:
+                elastic_wire.elastic_send(sock, secret, nonce, {"op": "heartbeat",
+                                                               "worker": _worker(), "nonce": ""})
+                while True:
+                    sock.sendall(b".")
+                    if not sock.recv(1):
+                        raise ConnectionResetError("the driver closed the heartbeat")
+                    heard = refused_since = time.monotonic()
+                    time.sleep(HEARTBEAT_SECONDS)
+        except (ConnectionRefusedError, ConnectionResetError, BrokenPipeError) as exc:
+            if time.monotonic() - refused_since > DRIVER_REFUSED_SECONDS:
+                _driver_gone(f"it refuses connections ({exc})")
         except OSError:
-            time.sleep(HEARTBEAT_SECONDS)  # the driver is unreachable: try again
+            refused_since = time.monotonic()
+            if time.monotonic() - heard > SILENT_DRIVER_SECONDS * 3:
+                _driver_gone(f"it has not answered for {SILENT_DRIVER_SECONDS * 3:g} s")
+        time.sleep(HEARTBEAT_SECONDS)  # the driver is unreachable: try again
+
+
+def _driver_gone(why: str) -> None:
+    try:  # the launcher that read this worker's output may be gone too
+        print(f"perseus_legacy elastic worker {_worker()}: the elastic driver at {_address()} is "
+              f"gone ({why}): its perseusrun has ended; this worker exits", file=sys.stderr,
+              flush=True)
+    finally:
+        os._exit(DRIVER_GONE_EXIT_CODE)
 
 
 def _start_heartbeat(secret: str) -> None:

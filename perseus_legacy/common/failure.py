@@ -8,8 +8,13 @@ rank's pending and later collectives fail with `perseus_legacy: rank R failed: <
 
 init() installs a sys.excepthook that reports an uncaught exception (then runs the hook that
 was in place); perseus_legacy.tf1.survivor reports the error with which a MonitoredSession
-closes. An exception the program catches is not reported. Survivors save no checkpoint after
-such a failure (unlike after a lost peer): the failure may lie in the state a save would write.
+closes, unless every rank's session closes with an error of its own within
+survivor.STEP_ERROR_AGREEMENT_SECS (5 s) of the others, each having submitted as many
+collectives (a bad batch on every rank): then no rank is failed, each program gets its own
+error, and one that catches it may train again. An error on some ranks only fails every rank
+once that wait runs out, since the others wait in the step for the failed ones. An exception
+the program catches otherwise is not reported. Survivors save no checkpoint after such a
+failure (unlike after a lost peer): the failure may lie in the state a save would write.
 """
 
 from __future__ import annotations

@@ -17,8 +17,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import perseus_env
-from perseus_env import ADDRESSES_VARIABLE, MPI_LAUNCHER_VARIABLES, RANK_VARIABLE
+from perseus_env import ADDRESSES_VARIABLE, RANK_VARIABLE
 from perseus_legacy.common import native
+from perseus_shared.mpi import MPI_LAUNCHER_VARIABLES
+from perseus_shared.slurm import slurm_tcp_settings
 
 DEFAULT_START_TIMEOUT = 120.0
 # Task types that become ranks, in rank order; `master` is TF1's name for the chief.
@@ -66,7 +68,7 @@ class Cluster:
 
 def _environ() -> Mapping[str, str]:
     """os.environ with the PERSEUS_* settings that a Slurm step (srun without MPI) implies."""
-    return {**os.environ, **perseus_env.slurm_tcp_settings(os.environ)}
+    return {**os.environ, **slurm_tcp_settings(os.environ)}
 
 
 def _excerpt(value: object, limit: int = 200) -> str:

@@ -7,9 +7,14 @@ PERSEUS_STALL_WARNING_SECS, an error after PERSEUS_STALL_SHUTDOWN_SECS). So ever
 same sequence of sync points, and while rank 0 works inside `busy()`, a thread of rank 0 answers
 the waiting ranks every HEARTBEAT_SECS with "still busy"; no collective stays pending for longer.
 
-Sync point n is a series of broadcasts from rank 0 named `<prefix>.<n>.<k>` (k = 0, 1, ...), each
-carrying a header [state, value, payload bytes]: BUSY makes the others ask again with k + 1, DONE
-ends the sync point (followed by `<prefix>.<n>.payload` when there are payload bytes).
+A sync point is a series of rounds, each one allreduce (Sum) named `<prefix>.<k>` (k = 0, 1, ...)
+of a [ranks, 3] table in which each rank fills its own row [state, value, payload bytes]: rank
+0's state BUSY makes every rank go round again with k + 1, DONE ends the sync point (followed by
+a broadcast `<prefix>.payload` when there are payload bytes). `sync()` gives every rank rank 0's
+value; `agree()` gives every rank every rank's value, in the same one collective: the stop
+agreement after each training step (perseus_legacy.tf1.stopping) is such a sync point, so a step
+costs one small allreduce, of the same name every step (the runtime's response cache knows it).
+A rank that joined (perseus_legacy.join()) takes part with zeros: a row of zeros reads DONE.
 
 The wait is bounded: a rank that has heard "still busy" for PERSEUS_CHIEF_WAIT_SECS (default
 7200: longer than any evaluation or export a job should have between two steps; 0: no bound)
@@ -49,23 +54,23 @@ class ChiefGate:
         self._stop = threading.Event()
         self._error: BaseException | None = None
 
-    def _name(self, k: int | str) -> str:
-        return f"{self._prefix}.{self._point}.{k}"
-
-    def _broadcast(self, array: np.ndarray, k: int | str) -> np.ndarray:
-        return basics.core().broadcast(array, 0, self._name(k))
+    def _round(self, state: int, value: int, nbytes: int, k: int) -> np.ndarray:
+        """One round: every rank's row [state, value, payload bytes]."""
+        table = np.zeros((basics.size(), 3), np.int64)
+        table[basics.rank()] = (state, value, nbytes)
+        return basics.core().allreduce(table, f"{self._prefix}.{k}", basics.Sum)
 
     def _heartbeat(self) -> None:
         try:
             while not self._stop.wait(HEARTBEAT_SECS):
-                self._broadcast(np.array([_BUSY, 0, 0], np.int64), self._answered)
+                self._round(_BUSY, 0, 0, self._answered)
                 self._answered += 1
         except BaseException as exc:  # re-raised by the next sync()
             self._error = exc
 
     def _join_heartbeat(self) -> None:
-        # The thread may be inside a broadcast: it completes as soon as the other ranks reach
-        # this sync point, where they are going (they pass no other collective before it).
+        # The thread may be inside a round: it completes as soon as the other ranks reach this
+        # sync point, where they are going (they pass no other collective before it).
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -99,38 +104,60 @@ class ChiefGate:
         """Every rank gets `(value, payload)` of rank 0, once rank 0 reaches this point too."""
         if basics.size() == 1:
             return int(value), payload
+        mine = (int(value), payload) if basics.rank() == 0 else (0, b"")
+        table, payload = self._pass(*mine, source=0)
+        return int(table[0, 1]), payload
+
+    def agree(self, value: int, payload: bytes = b"") -> tuple:
+        """Every rank gets every rank's `value` (an array, in rank order) and the payload of the
+        lowest rank whose value is not 0 (b"" when none is), once rank 0 reaches this point too."""
+        if basics.size() == 1:
+            return np.array([int(value)], np.int64), payload if value else b""
+        table, payload = self._pass(int(value), payload, source=None)
+        return table[:, 1], payload
+
+    def _pass(self, value: int, payload: bytes, source: int | None) -> tuple:
+        """The rounds of one sync point, then the payload of `source` (None: the lowest rank
+        with a value) when it has one."""
         try:
-            if basics.rank() == 0:
-                return self._lead(int(value), payload)
-            return self._follow()
+            table = self._lead(value, len(payload)) if basics.rank() == 0 else \
+                self._follow(value, len(payload))
+            if source is None:
+                given = np.flatnonzero(table[:, 1])
+                source = int(given[0]) if given.size else 0
+            nbytes = int(table[source, 2])
+            if not nbytes:
+                return table, b""
+            mine = payload if basics.rank() == source else bytes(nbytes)
+            return table, basics.core().broadcast(np.frombuffer(mine, np.uint8), source,
+                                                  f"{self._prefix}.payload").tobytes()
         finally:
             self._point += 1
             self._answered = 0
 
-    def _lead(self, value: int, payload: bytes) -> tuple:
+    def _lead(self, value: int, nbytes: int) -> np.ndarray:
         self._join_heartbeat()
-        self._broadcast(np.array([_DONE, value, len(payload)], np.int64), self._answered)
-        if payload:
-            self._broadcast(np.frombuffer(payload, np.uint8), "payload")
-        return value, payload
+        return self._round(_DONE, value, nbytes, self._answered)
 
-    def _follow(self) -> tuple:
+    def _follow(self, value: int, nbytes: int) -> np.ndarray:
         limit = chief_wait_secs()
         start = time.monotonic()
         k = 0
         while True:
-            state, value, nbytes = self._broadcast(np.zeros(3, np.int64), k).tolist()
-            if state == _DONE:
-                break
+            table = self._round(_DONE, value, nbytes, k)
+            if table[0, 0] == _DONE:
+                return table
             k += 1
             waited = time.monotonic() - start
             if limit and waited > limit:
                 raise RuntimeError(
                     f"perseus_legacy: rank {basics.rank()} waited {waited:.0f} s at sync point "
-                    f"{self._name(k)!r} while rank 0 kept answering 'still busy' "
-                    f"(PERSEUS_CHIEF_WAIT_SECS={limit:g}); rank 0 may be stuck in an "
+                    f"{self._point} ({self._prefix}.{k}) while rank 0 kept answering 'still "
+                    f"busy' (PERSEUS_CHIEF_WAIT_SECS={limit:g}); rank 0 may be stuck in an "
                     "evaluation or export")
-        payload = b""
-        if nbytes:
-            payload = self._broadcast(np.zeros(nbytes, np.uint8), "payload").tobytes()
-        return value, payload
+
+
+# The one gate of this process: the Estimator's sync points and the stop agreement after each
+# training step (perseus_legacy.tf1.stopping) are points of the same sequence, so the ranks
+# waiting at either are answered while rank 0 is busy().
+GATE = ChiefGate("perseus.gate")

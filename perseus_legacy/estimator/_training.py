@@ -10,9 +10,12 @@ RunConfig has no say in the hooks of a training run:
   all ranks skip a finished training together, or all train.
 - `Estimator._train_with_estimator_spec`: puts a SyncReplicasHook (gradient averaging by graph
   rewrite, then rank 0's variables broadcast after the session restored or initialised them) at
-  the front of the hooks, unless the hooks given already hold one, and the hook that passes rank
-  0's pauses (evaluation) and stop requests to the other ranks. Saving listeners run on rank 0,
-  the only rank that saves checkpoints.
+  the front of the hooks, unless the hooks given already hold one, and the hook that waits for
+  rank 0's last checkpoint and evaluation. A stop requested by any hook on any rank stops every
+  rank after the same step (perseus_legacy.tf1.stopping, through the SyncReplicasHook), while
+  rank 0 may evaluate between steps. Early stopping hooks decide on rank 0 only (from its
+  evaluation directory, the real one): the other ranks get tf.estimator's non-chief hook in their
+  place. Saving listeners run on rank 0, the only rank that saves checkpoints.
 - `Estimator._call_model_fn`: records the per-rank batch size of a training graph, for the
   examples/sec log.
 - `_TrainingExecutor.run_local` (`train_and_evaluate` on a rank): rank 0 evaluates and every rank
@@ -35,7 +38,7 @@ import tensorflow as tf
 
 from perseus_legacy.common import basics
 from perseus_legacy.estimator import _payload
-from perseus_legacy.estimator._gate import ChiefGate
+from perseus_legacy.estimator._gate import GATE as _GATE
 from perseus_legacy.estimator._run_config import (
     EVALUATOR_TIMEOUT_ENV,
     DistributedRunConfig,
@@ -45,9 +48,9 @@ from perseus_legacy.tf1.hooks import BroadcastGlobalVariablesHook, SyncReplicasH
 from perseus_legacy.tf_compat import estimator_api
 
 _BATCH_SIZE = "perseus_legacy_batch_size"  # graph collection: this rank's training batch size
-_GATE = ChiefGate("perseus.estimator")
 
 _estimator_lib = importlib.import_module(estimator_api.PACKAGE + ".estimator")
+_early_stopping = importlib.import_module(estimator_api.PACKAGE + ".early_stopping")
 
 
 def _is_distributed(estimator: Any) -> bool:
@@ -62,18 +65,18 @@ def _checkpoint_step(model_dir: str) -> int:
 
 
 class _TrainingHook(tf.compat.v1.train.SessionRunHook):
-    """Every rank's side of a distributed train(): rank 0's pauses and stops, the progress log.
+    """Every rank's side of a distributed train(): the progress log, rank 0's last pause.
 
-    With `gate_every_step`, after each step every rank takes rank 0's "stop" decision (a saving
-    listener may stop rank 0), waiting while rank 0 evaluates. In end(), every rank waits for rank
-    0's final checkpoint and evaluation: all ranks leave train() together.
+    In end(), once `sync_hook` has settled the ranks (a rank whose input ended joins there),
+    every rank waits for rank 0's final checkpoint and evaluation: all ranks leave train()
+    together.
     """
 
-    def __init__(self, loss: tf.Tensor, log_every: int | None, gate_every_step: bool) -> None:
+    def __init__(self, loss: tf.Tensor, log_every: int | None, sync_hook: Any) -> None:
         super().__init__()
         self._loss = loss
         self._log_every = log_every
-        self._gate_every_step = gate_every_step
+        self._sync_hook = sync_hook
 
     def begin(self) -> None:
         """Prepares the progress log."""
@@ -92,11 +95,7 @@ class _TrainingHook(tf.compat.v1.train.SessionRunHook):
         return tf.compat.v1.train.SessionRunArgs(self._fetches)
 
     def after_run(self, run_context: Any, run_values: Any) -> None:
-        """Passes rank 0's stop request on (with gate_every_step); logs progress."""
-        if self._gate_every_step:
-            stop, _ = _GATE.sync(int(run_context.stop_requested))
-            if stop:
-                run_context.request_stop()
+        """Logs progress."""
         if self._fetches is not None:
             self._log(run_values.results)
 
@@ -118,6 +117,7 @@ class _TrainingHook(tf.compat.v1.train.SessionRunHook):
 
     def end(self, session: Any) -> None:
         """Waits for rank 0 to finish its last checkpoint and evaluation."""
+        self._sync_hook.end(session)  # first: a rank still in a step needs this one's join
         _GATE.sync()
 
 
@@ -179,18 +179,30 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
     if not _is_distributed(self):
         return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor,
                         saving_listeners)
-    listeners = list(saving_listeners or ())
     chief = cluster_role().is_chief
+    if not chief:
+        hooks = [_decided_on_rank_0(h) for h in hooks]
     given = list(worker_hooks) + list(hooks)
-    ours = [_TrainingHook(estimator_spec.loss, self.config.log_step_count_steps,
-                          gate_every_step=bool(listeners))]
-    if not any(isinstance(h, SyncReplicasHook) for h in given):
+    sync_hook = next((h for h in given if isinstance(h, SyncReplicasHook)), None)
+    ours = []
+    if sync_hook is None:
         broadcast = not any(isinstance(h, BroadcastGlobalVariablesHook) for h in given)
-        ours.append(SyncReplicasHook(broadcast=broadcast))
+        sync_hook = SyncReplicasHook(broadcast=broadcast)
+        ours.append(sync_hook)
+    ours.append(_TrainingHook(estimator_spec.loss, self.config.log_step_count_steps, sync_hook))
     # First: the broadcast must precede StopAtStepHook(steps=...) reading the global step.
     worker_hooks[:0] = ours
-    listeners = [_BusyListener(listener) for listener in listeners] if chief else []
+    listeners = [_BusyListener(listener) for listener in saving_listeners or ()] if chief else []
     return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor, listeners)
+
+
+def _decided_on_rank_0(hook: Any) -> Any:
+    """On ranks other than 0, an early stopping hook (its predicate reads this rank's empty
+    evaluation directory) becomes the hook tf.estimator gives non-chief workers: rank 0 decides,
+    and its stop reaches every rank through the stop agreement."""
+    if isinstance(hook, _early_stopping._StopOnPredicateHook):
+        return _early_stopping._CheckForStoppingHook()
+    return hook
 
 
 def _batch_size(features: Any) -> tf.Tensor | None:

@@ -26,6 +26,12 @@ is then updated, and each survivor holds the variables of the last completed ste
 perseus_legacy.tf1.survivor saves). The update ops of one step are those under one optimizer
 apply's name scope (the part of their name before `update...`).
 
+After the rewrite, every other update of model state is checked (perseus_legacy.tf1.per_rank):
+a write to a global variable whose value comes from this rank's data without a collective
+(KMeans, LinearSDCA, a model_fn's own assign ops) raises PerRankUpdateError, unless it is of a
+kind that is per rank by design (global step, batch-norm statistics) or declared with
+`per_rank_update()`.
+
 A gradient that already comes from a Perseus collective (a graph built with
 `DistributedOptimizer`, or rewritten before) is left alone, so rewriting is idempotent and never
 averages twice. The collectives are named after the update op, so ranks that built the same
@@ -42,6 +48,7 @@ import tensorflow as tf
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average
 from perseus_legacy.tensorflow import collectives
+from perseus_legacy.tf1 import per_rank
 
 _COLLECTIVES = frozenset({"PerseusAllreduce", "PerseusAllgather", "PerseusBroadcast"})
 # Ops a collective's output may pass through on its way to an update (identity, fp16
@@ -244,7 +251,9 @@ def distribute_graph(graph: tf.Graph | None = None, op: int = Average) -> int:
     rank must have built the same graph. Returns how many update ops were rewritten: 0 with one
     rank, and 0 for a graph whose gradients already come from Perseus collectives
     (DistributedOptimizer, or a second call). Raises GraphRewriteError naming every update op
-    it recognises but cannot rewrite (the graph is then left unchanged).
+    it recognises but cannot rewrite (the graph is then left unchanged). Raises
+    PerRankUpdateError (after the rewrite) when another op updates model state from this rank's
+    data without a collective (see perseus_legacy.tf1.per_rank).
     """
     basics.require_initialized("distribute_graph()")
     collectives._check_op(op)
@@ -270,4 +279,5 @@ def distribute_graph(graph: tf.Graph | None = None, op: int = Average) -> int:
             else:
                 rewriter.sparse(update_op)
         rewriter.wait_for_whole_steps()
+    per_rank.check_updates(graph, basics.rank(), basics.size())
     return rewriter.rewritten

@@ -13,6 +13,7 @@ from perseus_legacy.common.process_sets import process_set_id
 from perseus_legacy.tensorflow import collectives
 from perseus_legacy.tf1 import survivor
 from perseus_legacy.tf1.graph_rewrite import distribute_graph
+from perseus_legacy.tf1.stopping import StopAgreement
 
 
 def _broadcast_name(var: Any) -> str:
@@ -55,6 +56,8 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
     included), whichever rank restored what. Every rank (of `process_set`, default all; its
     `root_rank` is a global rank) must use this hook. From then on, a step failing because a
     rank is lost makes the lowest survivor save that step (perseus_legacy.tf1.survivor).
+    Without a process set, a stop requested by any hook on any rank stops every rank after the
+    same step (perseus_legacy.tf1.stopping).
     """
 
     def __init__(self, root_rank: int = 0, device: str = "", process_set: Any = None) -> None:
@@ -64,6 +67,7 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
         self.process_set = process_set
         self.bcast_op = None
         self._graph = None
+        self.stop_agreement = StopAgreement(order=1) if process_set is None else None
 
     def begin(self) -> None:
         """Builds the broadcast op in the graph (before it is finalized)."""
@@ -77,6 +81,8 @@ class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
                     self.bcast_op = broadcast_variables(tf.compat.v1.global_variables(),
                                                         self.root_rank,
                                                         process_set=self.process_set)
+        if self.stop_agreement is not None:
+            self.stop_agreement.begin()
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Runs the broadcast; then watches the session for a lost rank."""
@@ -94,8 +100,10 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
     DistributedOptimizer in the graph too, gradients are still averaged once. `rewritten` is
     the number of update ops the last `begin()` rewrote.
 
-    Ranks stop together: a rank whose session stops (end of its input, a StopAtStepHook, a
-    request_stop) calls `perseus_legacy.join()`, so the steps the others are in still complete;
+    Ranks stop together: a stop requested by any hook on any rank stops every rank after the
+    same step (perseus_legacy.tf1.stopping; the log names the hook). A rank whose session ends
+    otherwise (end of its input) calls `perseus_legacy.join()`, so the steps the others are in
+    still complete;
     a rank whose step ran a collective without a joined rank's data then stops too (the runtime
     reports it; no collective is added to the step). Steps that some ranks ran without the
     others are undone: every rank ends with the variables of the rank that completed the fewest
@@ -121,6 +129,7 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
         self.steps = 0
         self._broadcast = BroadcastGlobalVariablesHook(root_rank, device) if broadcast else None
         self._watch = False  # whether to stop when another rank has stopped
+        self.stop_agreement = StopAgreement(order=0, peer_joined=self._stop_if_peer_joined)
         self._variables: list = []
         self._settled = False
 
@@ -133,6 +142,7 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
         self.steps, self._settled = 0, False
         self._variables = tf.compat.v1.global_variables()
         self._watch = basics.size() > 1
+        self.stop_agreement.begin()
 
     def after_create_session(self, session: tf.compat.v1.Session, coord: Any) -> None:
         """Broadcasts the root rank's variables (unless broadcast=False)."""
@@ -142,11 +152,16 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
             basics.core().take_peer_joined()  # forgets what happened before this session
 
     def after_run(self, run_context: Any, run_values: Any) -> None:
-        """Stops this rank, in step with the others, once another rank has stopped."""
+        """Stops this rank, in step with the others, once another rank has joined."""
         self.steps += 1
-        if self._watch and basics.core().take_peer_joined():
-            self._settle(run_context.session)
+        if self._stop_if_peer_joined(run_context.session):
             run_context.request_stop()
+
+    def _stop_if_peer_joined(self, session: Any) -> bool:
+        if self._watch and basics.core().take_peer_joined():
+            self._settle(session)
+            return True
+        return self._settled
 
     def end(self, session: tf.compat.v1.Session) -> None:
         """Waits for every rank to stop, then makes every rank's variables equal."""
@@ -156,6 +171,7 @@ class SyncReplicasHook(tf.compat.v1.train.SessionRunHook):
         if self._settled or not self._watch:
             return
         self._settled = True
+        self.stop_agreement.close()  # this rank joins: the others stop with it by the join
         basics.join()
         core = basics.core()
         steps = core.allgather(np.array([self.steps], np.int64), name="PerseusSync/steps")

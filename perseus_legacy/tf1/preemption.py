@@ -31,7 +31,11 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
     the name of the signal that stopped it (None when training ended otherwise) and
     `stopped_at_step` the global step reached; a program may exit with a non-zero code then, so
     that `sbatch --requeue` or a restart policy runs it again. The signal handlers are installed
-    when the session starts (on the main thread only) and the previous ones restored at its end.
+    when the session starts (on the main thread only) and the previous ones restored when it
+    closes, also when a step's error ends training (TensorFlow then calls no hook's `end()`):
+    a signal after training reaches the handler that was there before (by default SIGTERM ends
+    the process). The handler only records the signal; `signal_received` is set by the first
+    one, and a second signal arriving while the first is handled touches no lock.
     """
 
     def __init__(self, signals: Iterable[int] = PREEMPTION_SIGNALS) -> None:
@@ -56,8 +60,28 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
                   file=sys.stderr, flush=True)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
+        first = not self._received
         self._received.append(signum)
-        self.signal_received.set()
+        if first:  # Event.set() takes a lock a nested handler must not wait for
+            self.signal_received.set()
+
+    def after_create_session(self, session, coord) -> None:
+        # A step's error closes the session without end(): restore the handlers there too.
+        close = session.close
+
+        def close_and_restore() -> None:
+            try:
+                close()
+            finally:
+                self._restore()
+
+        session.close = close_and_restore
+
+    def _restore(self) -> None:
+        """Puts back the handlers this hook replaced (once)."""
+        previous, self._previous = self._previous, {}
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
     def before_run(self, run_context) -> tf.compat.v1.train.SessionRunArgs:
         here = self._received[0] if self._received else 0
@@ -71,9 +95,7 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
             run_context.request_stop()
 
     def end(self, session) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        self._previous = {}
+        self._restore()
         if self.preempted is None:
             return
         if self._step is not None:

@@ -22,7 +22,13 @@ import importlib.metadata
 from typing import Callable
 
 import perseus_env
-from perseus_legacy.tf_compat import control_deps, estimator_api, estimator_wrappers, keras
+from perseus_legacy.tf_compat import (
+    control_deps,
+    estimator_api,
+    estimator_wrappers,
+    hooked_session,
+    keras,
+)
 from perseus_legacy.tf_compat.estimator_api import TPUUnavailableError  # noqa: F401
 from perseus_legacy.tf_compat.keras import Keras3AlreadyBoundError  # noqa: F401
 
@@ -60,6 +66,11 @@ CHANGES: tuple[Change, ...] = (
     Change("auto_control_deps.ASYNC_STATEFUL_OPS",
            "TF 2.0 (tf.function runs stateful ops in program order)", AT_IMPORT,
            control_deps.exempt_collectives_from_program_order),
+    Change("tf.keras.backend.set_session, get_session",
+           "TF 2.0 (left out of the v2 tf.keras.backend; tf.compat.v1.keras.backend kept them)",
+           AT_IMPORT, keras.supply_keras_sessions),
+    Change(hooked_session.TARGET, hooked_session.NECESSARY_SINCE, AT_IMPORT,
+           hooked_session.agree_on_stopping),
     *(Change(target, estimator_wrappers.NECESSARY_SINCE, AT_RUN_CONFIG, None)
       for target in estimator_wrappers.TARGETS),
 )

@@ -104,3 +104,31 @@ def require_legacy_keras() -> None:
     """Raises Keras3AlreadyBoundError if TensorFlow bound Keras 3 before legacy Keras was chosen."""
     if _bound_error is not None:
         raise Keras3AlreadyBoundError(_bound_error)
+
+
+SESSION_FUNCTIONS = ("set_session", "get_session")
+
+
+def supply_keras_sessions() -> str:
+    """`tf.keras.backend.set_session`/`get_session` for TF1-style Keras code, where missing.
+
+    TensorFlow 2.0 left them out of the v2 `tf.keras.backend`; only `tf.compat.v1.keras.backend`
+    kept them (also tf-keras', on TF >= 2.16). Code written for TF 1.x Keras pins its GPU with
+    `K.set_session(tf.compat.v1.Session(config=config))` after `from tensorflow.keras import
+    backend as K`: the v2 backend gets the v1 backend's two functions, the same objects (the
+    same global session). Nothing is done where tf.keras is Keras 3 (it has no sessions).
+    """
+    import tensorflow as tf
+
+    version = tensorflow_version()
+    if version is not None and version >= (2, 16) and os.environ.get(ENV) not in _TRUE:
+        return "not applicable: tf.keras is Keras 3, which has no sessions"
+    v1, v2 = tf.compat.v1.keras.backend, tf.keras.backend
+    missing = [name for name in SESSION_FUNCTIONS if not hasattr(v2, name)]
+    if not all(hasattr(v1, name) for name in SESSION_FUNCTIONS):
+        return f"not supplied: {v1.__name__} has no set_session/get_session either"
+    for name in missing:
+        setattr(v2, name, getattr(v1, name))
+    if not missing:
+        return "not needed: tf.keras.backend has set_session/get_session"
+    return f"supplied: tf.keras.backend.{'/'.join(missing)} from tf.compat.v1.keras.backend"

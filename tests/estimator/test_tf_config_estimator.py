@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from harness import ROOT, available, files_under, matrix_env, python_for, task_env, wait_all
 
-from perseusrun.launch import free_local_ports
+from perseusrun.tcp_run import free_local_ports
 
 WORKER = ROOT / "tests" / "workers" / "est_tf_config.py"
 STEPS = 6  # est_tf_config.STEPS

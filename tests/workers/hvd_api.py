@@ -35,7 +35,7 @@ def check_reducescatter(rank: int, size: int) -> None:
     w = [rank_data(r, (rows, 3), np.float64, seed=2) for r in range(size)]
     part = scatter_part(rows, size, rank)
     for op, pre, post in ((hvd.Sum, 1.0, 1.0), (hvd.Average, 1.0, 1.0), (hvd.Sum, 0.5, 3.0)):
-        label = f"reducescatter {hvd.basics.REDUCE_OP_NAMES[op]} pre {pre} post {post}"
+        label = f"reducescatter {hvd.common.basics.REDUCE_OP_NAMES[op]} pre {pre} post {post}"
         expected = np.sum(x, axis=0) * pre * post / (size if op == hvd.Average else 1)
 
         def forward(t, op=op, pre=pre, post=post):

@@ -60,8 +60,8 @@ def with_a_joined_rank(rank: int, size: int) -> None:
                          (pl.Max, stacked.max(0)), (pl.Product, stacked.prod(0)),
                          (pl.Average, stacked.mean(0))):
         got = _core.allreduce(data[rank], f"joined.op{op}", op=op)
-        assert_close(rank, f"op {pl.basics.REDUCE_OP_NAMES[op]} with rank {joined} joined", got,
-                     expected.astype(np.float32), rtol=1e-6)
+        label = f"op {pl.common.basics.REDUCE_OP_NAMES[op]} with rank {joined} joined"
+        assert_close(rank, label, got, expected.astype(np.float32), rtol=1e-6)
     ints = {r: rank_data(r, (5,), np.int32, seed=101) for r in running}
     got = _core.allreduce(ints[rank], "joined.int_average", op=pl.Average)
     expected = np.trunc(np.sum([ints[r] for r in running], axis=0) / len(running))

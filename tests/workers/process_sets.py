@@ -44,8 +44,8 @@ def check_queries(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) ->
         assert_close(rank, "process_set_included_op",
                      hvd.process_set_included_op(process_set_id=ps.process_set_id).numpy(),
                      np.int32(rank in ps.ranks))
-    if sorted(hvd.process_sets.registered()) != [0, 1, 2]:
-        fail(rank, f"registered sets {hvd.process_sets.registered()}")
+    if sorted(hvd.common.process_sets.registered()) != [0, 1, 2]:
+        fail(rank, f"registered sets {hvd.common.process_sets.registered()}")
 
 
 def check_concurrent_step(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> None:
@@ -159,7 +159,7 @@ def check_errors(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> 
                      f"rank {rank} is not in process set 1 (ranks [0, 2])")
         # The runtime refuses it too (a graph built elsewhere, the numpy core).
         expect_error(rank, "core allreduce outside the set",
-                     lambda: hvd.basics.core().allreduce(np.ones(2), "outside",
+                     lambda: hvd.common.basics.core().allreduce(np.ones(2), "outside",
                                                          process_set_id=a.process_set_id),
                      RuntimeError, f"rank {rank}", "not in process set 1 (ranks [0, 2])")
     if b.included():
@@ -267,8 +267,8 @@ def check_remove_and_join(rank: int, size: int, b: hvd.ProcessSet) -> None:
         fail(rank, "remove_process_set(global_process_set) returned True")
     if not hvd.remove_process_set(b) or b.process_set_id is not None:
         fail(rank, f"remove_process_set(B) failed: {b}")
-    if 2 in hvd.process_sets.registered():
-        fail(rank, f"set 2 still registered: {hvd.process_sets.registered()}")
+    if 2 in hvd.common.process_sets.registered():
+        fail(rank, f"set 2 still registered: {hvd.common.process_sets.registered()}")
     expect_error(rank, "a collective on a removed set",
                  lambda: hvd.allreduce(np.ones(1), process_set=b), ValueError, "not registered")
     c = hvd.add_process_set(hvd.ProcessSet(range(1, size)))

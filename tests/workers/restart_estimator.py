@@ -1,8 +1,9 @@
 """An unchanged Estimator with run_config() under `perseusrun --restarts` (tests/test_restarts.py).
 
-Usage: restart_estimator.py MODEL_DIR OUT_DIR [KILLED_RANK]
+Usage: restart_estimator.py MODEL_DIR OUT_DIR [KILLED_RANKS]
 
-Run on FIRST_SIZE ranks, rank KILLED_RANK (default 0) kills itself (SIGKILL) once global step
+Run on FIRST_SIZE ranks, each rank of KILLED_RANKS (comma-separated, default 0: e.g. "0,1",
+the two ranks of one host) kills itself (SIGKILL) once global step
 FAULT_STEP is done, a step that is no checkpoint step (rank 0 checkpoints every EVERY steps),
 unless OUT_DIR/killed says it did already. The survivors fail at their next step; the lowest of
 them saves step FAULT_STEP into MODEL_DIR (perseus_legacy.tf1.survivor) and every survivor exits
@@ -118,9 +119,9 @@ def check_updates_wait_for_whole_step(graph) -> None:
 class Progress(tf.compat.v1.train.SessionRunHook):
     """The steps this session started and ended at, its final variables; the fault."""
 
-    def __init__(self, killed_rank: int, out: str) -> None:
+    def __init__(self, killed_ranks: list, out: str) -> None:
         self._marker = os.path.join(out, "killed")  # the restart (as many ranks) kills nothing
-        self._kill = (pl.size() == FIRST_SIZE and pl.rank() == killed_rank
+        self._kill = (pl.size() == FIRST_SIZE and pl.rank() in killed_ranks
                       and not os.path.exists(self._marker))
         self.record: dict = {}
         self.values: dict = {}
@@ -147,14 +148,14 @@ class Progress(tf.compat.v1.train.SessionRunHook):
 
 def main() -> None:
     model_dir, out = sys.argv[1:3]
-    killed_rank = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    killed_ranks = [int(r) for r in (sys.argv[3] if len(sys.argv) > 3 else "0").split(",")]
     config = pl.run_config(
         model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
         log_step_count_steps=None,
         session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                                 inter_op_parallelism_threads=1))
     estimator = tf.estimator.Estimator(model_fn, config=config)
-    progress = Progress(killed_rank, out)
+    progress = Progress(killed_ranks, out)
     estimator.train(input_fn(pl.rank()), max_steps=TOTAL_STEPS, hooks=[progress])
     write_resumed(out, pl.rank(), progress.record, progress.values, f" on {pl.size()} ranks")
 

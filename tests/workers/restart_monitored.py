@@ -1,11 +1,13 @@
 """MonitoredTrainingSession + SyncReplicasHook, unchanged, hit by a lost rank (test_restarts.py).
 
-Usage: restart_monitored.py MODEL_DIR
+Usage: restart_monitored.py MODEL_DIR [kill|forge]
 
 The documented pattern: `checkpoint_dir=pl.checkpoint_dir(MODEL_DIR)` (rank 0 saves every EVERY
 steps) and `pl.SyncReplicasHook()`. The last rank kills itself (SIGKILL) once global step
 FAULT_STEP is done; the survivors fail at their next step, rank 0 saving step FAULT_STEP into
-MODEL_DIR first (perseus_legacy.tf1.survivor). The model and data are restart_estimator's: the
+MODEL_DIR first (perseus_legacy.tf1.survivor). With `forge`, it writes a forged abort notice
+into its control connection to rank 0 instead (tcp_forge.py), as a party on the path could:
+nobody is lost, the job fails. The model and data are restart_estimator's: the
 step picks its global batch, the pool's first size() * PER_RANK rows.
 """
 
@@ -19,6 +21,7 @@ import sys
 
 import tensorflow as tf
 
+from tcp_forge import write_forged_frame
 from restart_estimator import (
     EVERY,
     FAULT_STEP,
@@ -31,20 +34,26 @@ from restart_estimator import (
 )
 
 
-class KillAfterStep(tf.compat.v1.train.SessionRunHook):
-    """Kills this rank (SIGKILL) once global step FAULT_STEP is done."""
+class FaultAfterStep(tf.compat.v1.train.SessionRunHook):
+    """Kills this rank (SIGKILL), or forges a frame to rank 0, once global step FAULT_STEP is
+    done."""
 
-    def __init__(self, step: tf.Variable, kill: bool) -> None:
-        self._step, self._kill = step, kill
+    def __init__(self, step: tf.Variable, fault: str | None) -> None:
+        self._step, self._fault = step, fault
 
     def after_run(self, run_context, run_values) -> None:
-        if self._kill and run_context.session.run(self._step) == FAULT_STEP:
+        if self._fault and run_context.session.run(self._step) == FAULT_STEP:
+            if self._fault == "forge":
+                print(f"[rank {pl.rank()}] FORGED a frame after step {FAULT_STEP}", flush=True)
+                write_forged_frame("abort", os.environ["PERSEUS_TCP_ADDRESSES"].split(",")[0])
+                self._fault = None
+                return
             print(f"[rank {pl.rank()}] KILLED after step {FAULT_STEP}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main() -> None:
-    model_dir = sys.argv[1]
+    model_dir, fault = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "kill")
     tf.compat.v1.disable_eager_execution()
     pl.init()
     rank, size = pl.rank(), pl.size()
@@ -59,7 +68,7 @@ def main() -> None:
     train_op = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM).minimize(
         loss, global_step=step)
     hooks = [pl.SyncReplicasHook(), tf.compat.v1.train.StopAtStepHook(last_step=TOTAL_STEPS),
-             KillAfterStep(step, rank == size - 1)]
+             FaultAfterStep(step, fault if rank == size - 1 else None)]
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                       inter_op_parallelism_threads=1)
     with tf.compat.v1.train.MonitoredTrainingSession(

@@ -42,6 +42,18 @@ def sockets_to(host: str, port: int) -> list[int]:
     return found
 
 
+def write_forged_frame(kind: str, address: str) -> None:
+    """Writes a forged frame (`abort` or `length`, as above) into this process's first
+    connection to `address` (rank 0's): its control connection."""
+    host, port = address.rsplit(":", 1)
+    control = sockets_to(host, int(port))[0]
+    if kind == "abort":
+        frame = struct.pack("<IIQ", 2, 0, len(FORGED_TEXT)) + FORGED_TEXT + os.urandom(32)
+    else:
+        frame = struct.pack("<IIQ", 1, 0, 1 << 30)
+    os.write(control, frame)
+
+
 def main() -> None:
     core = load_core()
     rank = int(os.environ["PERSEUS_TCP_RANK"])
@@ -53,14 +65,7 @@ def main() -> None:
         # collectives is refused then.
         core.allreduce(np.ones(4), "before", op=1)
         if rank == 1:
-            host, port = addresses[0].rsplit(":", 1)
-            control = sockets_to(host, int(port))[0]
-            if sys.argv[1] == "abort":
-                frame = (struct.pack("<IIQ", 2, 0, len(FORGED_TEXT)) + FORGED_TEXT +
-                         os.urandom(32))
-            else:
-                frame = struct.pack("<IIQ", 1, 0, 1 << 30)
-            os.write(control, frame)
+            write_forged_frame(sys.argv[1], addresses[0])
         core.allreduce(np.ones(4), "after", op=1)
     except RuntimeError as exc:
         print(f"[rank {rank}] REFUSED: {exc}", flush=True)

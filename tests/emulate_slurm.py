@@ -101,7 +101,7 @@ def slurm_conf(hosts: EmulatedHosts, directory: Path, cpus_per_node: int) -> str
     nodes = "".join(f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus_per_node} "
                     "RealMemory=1000 State=UNKNOWN\n" for h in hosts)
     return (
-        "# An emulated Slurm cluster (perseusrun/emulate_slurm.py).\n"
+        "# An emulated Slurm cluster (tests/emulate_slurm.py).\n"
         "ClusterName=emulated\n"
         f"SlurmctldHost={hosts[0].name}({hosts[0].address})\n"
         "SlurmUser=root\nSlurmdUser=root\n"
