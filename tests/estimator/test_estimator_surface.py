@@ -50,7 +50,6 @@ LAUNCHES = {  # name -> (ranks, cases, extra environment)
 ALL_CASES = list(dict.fromkeys(c for _, cases, _ in LAUNCHES.values() for c in cases))
 REFUSAL = {  # case -> what its error must say (the estimator or op, and why)
     "kmeans": r"(?is)kmeans.*(per[- ]rank|each rank)|(per[- ]rank|each rank).*kmeans",
-    "linear_sdca": r"(?is)sdca.*(per[- ]rank|each rank)|(per[- ]rank|each rank).*sdca",
     "tpu_estimator": r"(?i)tpu_config\.RunConfig",
 }
 
@@ -186,15 +185,17 @@ def assert_like_one_process(runs, launch: str, case: str) -> None:
                                                      got["private_files"])
 
 
-def known_differences() -> list:
-    """The DIFFERS cases, each an expected failure naming why (strict: once one passes, its
-    entry must say EQUAL)."""
-    return [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason="; ".join(
-        e.note for e in surface.ENTRIES if case in e.cases() and e.outcome == surface.DIFFERS)))
-        for case in surface.cases(surface.DIFFERS)]
+def expecting_differences(cases: list) -> list:
+    """`cases`, those of a DIFFERS entry as expected failures naming why (strict: once one
+    passes, its entry must say what it does now)."""
+    return [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason="; ".join(reasons)))
+            if (reasons := [e.note for e in surface.ENTRIES
+                            if case in e.cases() and e.outcome == surface.DIFFERS]) else case
+            for case in cases]
 
 
-@pytest.mark.parametrize("case", surface.cases(surface.EQUAL) + known_differences())
+@pytest.mark.parametrize("case", expecting_differences(
+    surface.cases(surface.EQUAL) + surface.cases(surface.DIFFERS)))
 def test_case_on_2_ranks_equals_one_process_on_the_global_batch(runs, case):
     assert_like_one_process(runs, "np2", case)
 
@@ -204,7 +205,7 @@ def test_case_on_3_ranks_equals_one_process_on_the_global_batch(runs, case):
     assert_like_one_process(runs, "np3", case)
 
 
-@pytest.mark.parametrize("case", surface.cases(surface.STOPS))
+@pytest.mark.parametrize("case", expecting_differences(surface.cases(surface.STOPS)))
 def test_every_rank_stops_after_the_step_one_process_stops_at(runs, case):
     """A stop decided on one rank only (or by a hook reading rank 0's model_dir) stops every
     rank after the same step as one process, with its variables."""
