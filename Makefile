@@ -22,7 +22,7 @@ $(VENV)/.built: $(VENV)/.installed $(NATIVE_SOURCES)
 # Whole suite: native collectives under real mpirun/perseusrun launches, hooks, estimator matrix.
 test: build compat-venvs tf215-ops slurm-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --timeout=900 tests
+	$(PY) -m pytest -q --timeout=900 --durations=30 tests
 
 # TensorFlow compatibility matrix (tests/estimator): TF 2.15.1 and TF 2.16.2, each in its own venv,
 # built side by side and reused while their requirements file is unchanged.

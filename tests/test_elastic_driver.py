@@ -301,7 +301,7 @@ def killed_launcher():
             if not any(_alive(record["pid"]) for record in joined):
                 gone = time.monotonic() - killed
                 break
-            time.sleep(0.1)
+            time.sleep(0.1)  # the polling interval of a bounded wait, not a synchronisation
     proc.kill()
     proc.wait()
     for record in joined:  # what the test found lingering

@@ -30,6 +30,7 @@ RunConfig has no say in the hooks of a training run:
 from __future__ import annotations
 
 import importlib
+import inspect
 import time
 from typing import Any, Callable
 
@@ -37,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from perseus_legacy.common import basics
+from perseus_legacy.common.basics import Average, Sum
 from perseus_legacy.estimator import _payload
 from perseus_legacy.estimator._gate import GATE as _GATE
 from perseus_legacy.estimator._run_config import (
@@ -180,8 +182,16 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
         return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor,
                         saving_listeners)
     chief = cluster_role().is_chief
-    if not chief:
-        hooks = [_decided_on_rank_0(h) for h in hooks]
+    if chief:
+        _listeners_wait_for_rank_0(list(worker_hooks) + list(hooks) +
+                                   list(estimator_spec.training_hooks) +
+                                   list(estimator_spec.training_chief_hooks))
+    else:
+        hooks = [_decided_on_rank_0(h) for h in _without_writers(hooks)]
+        worker_hooks[:] = _without_writers(worker_hooks)
+        estimator_spec = estimator_spec._replace(
+            training_hooks=tuple(_without_writers(estimator_spec.training_hooks)),
+            training_chief_hooks=())
     given = list(worker_hooks) + list(hooks)
     sync_hook = next((h for h in given if isinstance(h, SyncReplicasHook)), None)
     ours = []
@@ -189,11 +199,48 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
         broadcast = not any(isinstance(h, BroadcastGlobalVariablesHook) for h in given)
         sync_hook = SyncReplicasHook(broadcast=broadcast)
         ours.append(sync_hook)
+    if _loss_is_a_batch_sum(self) and sync_hook.op == Average:
+        sync_hook.op = Sum  # the global batch's sum is the sum of the ranks' sums
     ours.append(_TrainingHook(estimator_spec.loss, self.config.log_step_count_steps, sync_hook))
     # First: the broadcast must precede StopAtStepHook(steps=...) reading the global step.
     worker_hooks[:0] = ours
     listeners = [_BusyListener(listener) for listener in saving_listeners or ()] if chief else []
     return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor, listeners)
+
+
+# Hooks that write files (checkpoints, summaries, step rates, profiles) into a directory they
+# were given: one process writes each file once, so of N ranks only rank 0 runs them. The
+# Estimator's own such hooks follow run_config() (rank 0 alone saves and summarises); these are
+# the ones a program gives to train(), its TrainSpec or its EstimatorSpec.
+_WRITER_HOOKS = (tf.compat.v1.train.CheckpointSaverHook, tf.compat.v1.train.SummarySaverHook,
+                 tf.compat.v1.train.StepCounterHook, tf.compat.v1.train.ProfilerHook)
+
+
+def _without_writers(hooks: Any) -> list:
+    """`hooks` without the file writers, which rank 0 alone runs (ranks other than 0)."""
+    return [h for h in hooks if not isinstance(h, _WRITER_HOOKS)]
+
+
+def _listeners_wait_for_rank_0(hooks: list) -> None:
+    """The saving listeners of a CheckpointSaverHook given to rank 0: the other ranks wait while
+    they work, as for train()'s saving_listeners."""
+    for hook in hooks:
+        if isinstance(hook, tf.compat.v1.train.CheckpointSaverHook):
+            hook._listeners[:] = [listener if isinstance(listener, _BusyListener)
+                                  else _BusyListener(listener) for listener in hook._listeners]
+
+
+def _loss_is_a_batch_sum(estimator: Any) -> bool:
+    """Whether a canned estimator's head sums its loss over the batch (loss_reduction=SUM, the
+    default of tf.compat.v1's canned estimators): the loss of the global batch is then the sum
+    of the ranks' losses, and so is its gradient. The head is the one its model_fn closes over."""
+    try:
+        head = inspect.getclosurevars(estimator._model_fn).nonlocals.get("head")
+    except TypeError:  # not a Python function
+        return False
+    reduction = getattr(head, "loss_reduction", getattr(head, "_loss_reduction", None))
+    # tf.compat.v1.losses' SUM (v1 heads) and Keras' SUM (the v2 heads).
+    return reduction in (tf.compat.v1.losses.Reduction.SUM, "sum")
 
 
 def _decided_on_rank_0(hook: Any) -> Any:

@@ -113,10 +113,9 @@ ENTRIES = [
     _e("v1:DNNClassifier v1:DNNRegressor v1:DNNEstimator v1:LinearClassifier "
        "v1:LinearRegressor v1:LinearEstimator v1:DNNLinearCombinedClassifier "
        "v1:DNNLinearCombinedRegressor v1:DNNLinearCombinedEstimator v1:BaselineClassifier "
-       "v1:BaselineRegressor v1:BaselineEstimator", DIFFERS, "v1_canned_sum v1_canned_mean",
-       "their default loss_reduction=SUM makes each rank's gradient that of its slice's sum: "
-       "averaged, 1/N of one process's (as if the learning rate were divided by N); with "
-       "loss_reduction=SUM_OVER_BATCH_SIZE (v1_canned_mean) they equal one process"),
+       "v1:BaselineRegressor v1:BaselineEstimator", EQUAL, "v1_canned_sum v1_canned_mean",
+       "their default loss_reduction=SUM is the sum over the batch: the ranks' gradients are "
+       "summed, not averaged (the global batch's sum); other reductions are averaged"),
     _e("v1:experimental.dnn_logit_fn_builder v1:experimental.linear_logit_fn_builder "
        "experimental.call_logit_fn", EQUAL, "v1_logit_fns", "graph builders in a model_fn"),
     _e("v1:experimental.KMeans", REFUSED, f"kmeans {PER_RANK}",
@@ -163,26 +162,26 @@ ENTRIES = [
        "raises it, the others fail with 'rank R shut down while perseus.gate.0 was pending', "
        "not naming the NaN loss"),
     _e("ProfilerHook train:ProfilerHook", DIFFERS, "profiler_hook",
-       "every rank writes its timelines and events into output_dir; rank 0 alone should"),
+       "given to train() or in training_hooks, rank 0 alone runs it and writes its timelines, "
+       "but TensorFlow's constructor opens a summary writer: a rank other than 0 that builds "
+       "one leaves an empty events file in output_dir (build it on rank 0 only)"),
     _e("FeedFnHook train:FeedFnHook", EQUAL, "feed_fn_hook", "fed on every rank"),
     _e("FinalOpsHook train:FinalOpsHook", EQUAL, "final_ops_hook",
        "every rank gets the final values"),
     _e("GlobalStepWaiterHook train:GlobalStepWaiterHook", EQUAL, "global_step_waiter_hook",
        "waits for the shared global step"),
-    _e("StepCounterHook train:StepCounterHook", DIFFERS, "step_counter_hook",
-       "the Estimator's own one runs on rank 0 only, but one given to train() or in "
-       "training_hooks writes its summaries into output_dir on every rank"),
-    _e("CheckpointSaverHook train:CheckpointSaverHook", DIFFERS, "checkpoint_saver_hook",
-       "given to train(), it runs on every rank: each saves checkpoints into its "
-       "checkpoint_dir and runs its listeners; rank 0 alone should"),
+    _e("StepCounterHook train:StepCounterHook", EQUAL, "step_counter_hook",
+       "the Estimator's own one and one given to train() or in training_hooks: rank 0 alone "
+       "runs it and writes its summaries"),
+    _e("CheckpointSaverHook train:CheckpointSaverHook", EQUAL, "checkpoint_saver_hook",
+       "given to train(): rank 0 alone saves and runs its listeners (the others wait)"),
     _e("CheckpointSaverListener", EQUAL, f"{DIST}::test_train_and_evaluate_without_tf_config_"
        "evaluates_on_rank_0_for_every_rank checkpoint_saver_hook",
        "saving_listeners of train() run on rank 0 only"),
-    _e("SummarySaverHook train:SummarySaverHook", DIFFERS,
+    _e("SummarySaverHook train:SummarySaverHook", EQUAL,
        f"summary_saver_hook {SUMMARIES}::test_tf_summary_in_a_model_fn_is_written_by_rank_0_"
-       "only_with_the_numpy_losses", "the Estimator's own summaries are written by rank 0 "
-       "only, but a SummarySaverHook given to train() or in training_hooks writes on every "
-       "rank"),
+       "only_with_the_numpy_losses", "the Estimator's own summaries and a SummarySaverHook "
+       "given to train() or in training_hooks: rank 0 alone writes them"),
     _e("StopAtStepHook train:StopAtStepHook", EQUAL, "stop_at_step_hook",
        "the global step is the same on every rank"),
     _e("experimental.InMemoryEvaluatorHook", EQUAL, "in_memory_evaluator_hook",
@@ -206,8 +205,6 @@ ENTRIES = [
 # STOPS cases, whatever their entry's outcome; nan_on_one_rank last (its other ranks fail once
 # the NaN rank has exited).
 STOP_CASES = ("request_stop_rank0", "nan_on_one_rank")
-# Cases of a DIFFERS entry that check its workaround: run and compared as EQUAL.
-WORKAROUND_CASES = ("v1_canned_mean",)
 # Cases run on 3 ranks too: an odd count changes every slice and the gather of sparse rows.
 ODD_CASES = ("linear_classifier", "combined_classifier")
 # Cases run as TF_CONFIG tasks (chief, worker, evaluator), where the evaluator task changes
@@ -230,12 +227,10 @@ def cases(outcome: str) -> list:
     names: list = []
     # A case shared with a DIFFERS entry runs (and fails) as that entry's.
     differs = {c for e in ENTRIES if e.outcome == DIFFERS for c in e.cases()}
-    skip = set(STOP_CASES) | (differs if outcome != DIFFERS else set(WORKAROUND_CASES))
+    skip = set(STOP_CASES) | (differs if outcome != DIFFERS else set())
     for entry in ENTRIES:
         if entry.outcome == outcome:
             names += [c for c in entry.cases() if c not in names and c not in skip]
-    if outcome == EQUAL:
-        names += list(WORKAROUND_CASES)
     if outcome == STOPS:
         names += list(STOP_CASES)
     return names

@@ -187,11 +187,10 @@ def assert_like_one_process(runs, launch: str, case: str) -> None:
 
 def expecting_differences(cases: list) -> list:
     """`cases`, those of a DIFFERS entry as expected failures naming why (strict: once one
-    passes, its entry must say what it does now); the cases checking a workaround pass."""
+    passes, its entry must say what it does now)."""
     return [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason="; ".join(reasons)))
             if (reasons := [e.note for e in surface.ENTRIES if case in e.cases()
-                            and e.outcome == surface.DIFFERS
-                            and case not in surface.WORKAROUND_CASES]) else case
+                            and e.outcome == surface.DIFFERS]) else case
             for case in cases]
 
 
