@@ -51,8 +51,11 @@ def _assert_same_numbers(actual, expected, path="results"):
 
 def test_compat_layer_supplies_exactly_what_this_tensorflow_lacks(matrix, version):
     report = matrix.result(version)["compat"]
+    # The pieces of the estimator API (the Keras sessions and the stop agreement are changes of
+    # another kind, made on every version).
     pieces = {k: v for k, v in report.items()
-              if k.startswith(("tensorflow.", "tf.", "tf_export."))}
+              if k.startswith(("tensorflow.", "tf.", "tf_export."))
+              and not k.startswith("tf.keras.")}
     assert len(pieces) == 7, report
     if version == "tf215":
         assert report["tensorflow"].startswith("2.15."), report
