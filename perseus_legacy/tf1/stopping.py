@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from perseus_legacy.common import basics
 from perseus_legacy.estimator._gate import GATE
+from perseus_legacy.tf1 import survivor
 
 
 class StopAgreement:
@@ -50,7 +51,11 @@ class StopAgreement:
         (`asked`: the class name of the first hook of this rank that did, or None)."""
         self._steps += 1
         name = (asked or "").encode()
-        values, reason = GATE.agree(1 if asked else 0, name)
+        try:
+            values, reason = GATE.agree(1 if asked else 0, name)
+        except Exception as error:  # a rank lost after its step: the step is complete
+            survivor.report_lost_rank(error)
+            raise
         if not values.any():
             return self._peer_joined is not None and self._peer_joined(session)
         ranks = [int(r) for r in values.nonzero()[0]]

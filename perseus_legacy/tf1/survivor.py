@@ -59,6 +59,8 @@ from perseus_shared.lost_rank import lost_rank_line
 _LOST = re.compile(r"perseus_legacy: rank (\d+) \([^)]*\)(?:, rank \d+ \([^)]*\))* "
                    r"(?:closed its connection|connection failed|stopped responding)")
 _WATCHED = "_perseus_survivor_watched"
+# The report of the session watch() watched last (a rank trains one session at a time).
+_last_watched: list = []
 # A MonitoredSession recovers from these (it makes a new session): not an end of training.
 _RECOVERED = (tf.errors.AbortedError, tf.errors.UnavailableError)
 # How long a survivor waits for another's claim per lower rank it does not know lost.
@@ -182,15 +184,21 @@ def watch(session: tf.compat.v1.Session) -> None:
     reported = []
     own_errors = []  # the last error of this rank's own that a step of this session raised
 
+    def report_lost(error: BaseException) -> bool:
+        """Whether `error` names a lost rank; the report and save, once per session."""
+        lost = lost_rank(error)
+        if lost is not None and not reported:
+            reported.append(lost)
+            _report(session, run, lost)
+        return lost is not None
+
+    _last_watched[:] = [report_lost]
+
     def watched_run(*args: Any, **kwargs: Any) -> Any:
         try:
             return run(*args, **kwargs)
         except tf.errors.OpError as error:
-            lost = lost_rank(error)
-            if lost is not None and not reported:
-                reported.append(lost)
-                _report(session, run, lost)
-            elif lost is None and not isinstance(error, _RECOVERED):
+            if not report_lost(error) and not isinstance(error, _RECOVERED):
                 own_errors[:] = [error]
             raise
 
@@ -210,6 +218,14 @@ def watch(session: tf.compat.v1.Session) -> None:
     # and no other place sees a step's error while the session is still open.
     session.run = watched_run
     session.close = watched_close
+
+
+def report_lost_rank(error: BaseException) -> None:
+    """A collective between steps failed (the stop agreement after each step): when `error`
+    names a lost rank, the survivors of the session watched last report and save the step it
+    completed, as when a step fails."""
+    if _last_watched:
+        _last_watched[0](error)
 
 
 def _report(session: Any, run: Any, lost: int) -> None:
