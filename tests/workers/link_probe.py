@@ -18,6 +18,7 @@ import time
 
 ECHO, SINK, COUNTED = 7000, 7001, 7002
 LOSS_DATAGRAMS = 2000
+SO_RCVBUFFORCE = 33  # Linux's; the socket module does not name it
 
 
 def serve(address: str) -> None:
@@ -25,7 +26,9 @@ def serve(address: str) -> None:
 
     def count() -> None:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)  # up to rmem_max
+        # Room for every datagram at once (root may pass rmem_max): a counting thread slowed by
+        # a busy machine must not drop any.
+        sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)
         sock.bind((address, COUNTED))
         while True:
             counted.add(int(sock.recv(64)))
@@ -75,8 +78,14 @@ def measure(address: str, what: list[str]) -> dict:
             sender.sendto(str(i).encode(), (address, COUNTED))
             if i % 100 == 99:
                 time.sleep(0.005)  # no queue in the sender's or receiver's kernel overflows
-        time.sleep(0.5)
-        result["loss"] = 1 - int(ask(sock, address, b"count")[0]) / LOSS_DATAGRAMS
+        counted, deadline = -1, time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the count stops growing: all have arrived
+            time.sleep(0.3)  # the polling interval of a bounded wait
+            now = int(ask(sock, address, b"count")[0])
+            if now == counted:
+                break
+            counted = now
+        result["loss"] = 1 - counted / LOSS_DATAGRAMS
     if "stream" in what:
         stream = socket.create_connection((address, SINK))
         chunk = memoryview(bytearray(1 << 20))
