@@ -88,9 +88,10 @@ def test_estimator_resumes_on_the_other_host_from_the_step_rank_2_saved_when_ran
                        rf"{fault}: {re.escape(saved)} \(saver agreed in ([\d.]+) s\)", out)
     assert agreed, out
     print(f"the survivors agreed on the saver in {agreed.group(1)} s")
-    assert re.search(rf"perseus_legacy\[rank 3\]: rank [01] was lost; rank 2 saves the last "
-                     rf"completed step \(global step {fault}\) in {re.escape(str(model_dir))}",
-                     out), out
+    # Rank 3 reads rank 2's claim, or (when it comes later) the checkpoint rank 2 saved.
+    assert re.search(rf"perseus_legacy\[rank 3\]: rank [01] was lost; (rank 2 saves the last "
+                     rf"completed step \(global step {fault}\) in {re.escape(str(model_dir))}|"
+                     rf"global step {fault} was already saved: {re.escape(saved)})", out), out
     assert re.search(rf"perseusrun: rank 0, 1 lost with host \S+h0; restart 1 of 1 on 2 ranks "
                      rf"\(\S+h1:2\), from global step {fault}, saved by a survivor: "
                      rf"{re.escape(saved)}\n", out), out

@@ -280,11 +280,12 @@ def test_a_job_on_one_host_forms_through_a_flood_of_100_connections_from_its_own
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  stderr=subprocess.STDOUT, text=True)
         procs.append(flood)
-        wait_for_line(flood, "FLOODING", 60)
+        flood_lines = stream_lines(flood.stdout)
+        wait_for_line(flood_lines, "FLOODING", 60, [])
         procs += [start_rank(rank, addresses, worker=CORE_TASK) for rank in (1, 2)]
         results = finish(procs[:1] + procs[2:], TIMEOUT)
         flood.stdin.close()
-        flooded = flood.stdout.read()  # it ends with its stdin
+        flooded = wait_for_line(flood_lines, "FLOODED", 60, [])  # it ends with its stdin
     finally:
         end_processes(procs)
     everything = "\n".join(out for _, out in results)

@@ -126,8 +126,9 @@ class _TrainingHook(tf.compat.v1.train.SessionRunHook):
 class _BusyListener(tf.compat.v1.train.CheckpointSaverListener):
     """A saving listener of rank 0 whose work after a save the other ranks wait out."""
 
-    def __init__(self, listener: Any) -> None:
+    def __init__(self, listener: Any, sync_hook: SyncReplicasHook) -> None:
         self._listener = listener
+        self._sync_hook = sync_hook
 
     def begin(self) -> None:
         self._listener.begin()
@@ -140,6 +141,10 @@ class _BusyListener(tf.compat.v1.train.CheckpointSaverListener):
             return self._listener.after_save(session, global_step_value)
 
     def end(self, session: Any, global_step_value: int) -> None:
+        # Training is over for rank 0: it joins first, as the other ranks do in their end(), so
+        # that they wait at the gate, not in join(), while it is busy (a busy round that met
+        # ranks still joined would count for rank 0 and for none of them).
+        self._sync_hook.end(session)
         with _GATE.busy():
             self._listener.end(session, global_step_value)
 
@@ -182,11 +187,7 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
         return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor,
                         saving_listeners)
     chief = cluster_role().is_chief
-    if chief:
-        _listeners_wait_for_rank_0(list(worker_hooks) + list(hooks) +
-                                   list(estimator_spec.training_hooks) +
-                                   list(estimator_spec.training_chief_hooks))
-    else:
+    if not chief:
         hooks = [_decided_on_rank_0(h) for h in _without_writers(hooks)]
         worker_hooks[:] = _without_writers(worker_hooks)
         estimator_spec = estimator_spec._replace(
@@ -201,10 +202,14 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
         ours.append(sync_hook)
     if _loss_is_a_batch_sum(self) and sync_hook.op == Average:
         sync_hook.op = Sum  # the global batch's sum is the sum of the ranks' sums
+    if chief:
+        _listeners_wait_for_rank_0(given + list(estimator_spec.training_hooks) +
+                                   list(estimator_spec.training_chief_hooks), sync_hook)
     ours.append(_TrainingHook(estimator_spec.loss, self.config.log_step_count_steps, sync_hook))
     # First: the broadcast must precede StopAtStepHook(steps=...) reading the global step.
     worker_hooks[:0] = ours
-    listeners = [_BusyListener(listener) for listener in saving_listeners or ()] if chief else []
+    listeners = ([_BusyListener(listener, sync_hook) for listener in saving_listeners or ()]
+                 if chief else [])
     return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor, listeners)
 
 
@@ -221,13 +226,14 @@ def _without_writers(hooks: Any) -> list:
     return [h for h in hooks if not isinstance(h, _WRITER_HOOKS)]
 
 
-def _listeners_wait_for_rank_0(hooks: list) -> None:
+def _listeners_wait_for_rank_0(hooks: list, sync_hook: SyncReplicasHook) -> None:
     """The saving listeners of a CheckpointSaverHook given to rank 0: the other ranks wait while
     they work, as for train()'s saving_listeners."""
     for hook in hooks:
         if isinstance(hook, tf.compat.v1.train.CheckpointSaverHook):
-            hook._listeners[:] = [listener if isinstance(listener, _BusyListener)
-                                  else _BusyListener(listener) for listener in hook._listeners]
+            hook._listeners[:] = [
+                _BusyListener(listener._listener if isinstance(listener, _BusyListener)
+                              else listener, sync_hook) for listener in hook._listeners]
 
 
 def _loss_is_a_batch_sum(estimator: Any) -> bool:
