@@ -293,6 +293,11 @@ def v1_canned(proc: Process) -> dict:
         "BaselineClassifier": (v1.BaselineClassifier(n_classes=CLASSES,
                                                      config=proc.config("baseline")), "class"),
     }
+    return trained_each(proc, built)
+
+
+def trained_each(proc: Process, built: dict) -> dict:
+    """trained() of each named (estimator, target) of `built`, by name."""
     result: dict = {"every": {}, "chief": {}}
     for name, (est, target) in built.items():
         one = trained(proc, est, target, keys=("x",) if "Baseline" in name else ("x", "color"))
@@ -319,12 +324,7 @@ def v1_canned_mean(proc: Process) -> dict:
         "BaselineRegressor": (v1.BaselineRegressor(loss_reduction=mean,
                                                    config=proc.config("baseline")), "value"),
     }
-    result: dict = {"every": {}, "chief": {}}
-    for name, (est, target) in built.items():
-        one = trained(proc, est, target, keys=("x",) if "Baseline" in name else ("x", "color"))
-        result["every"][name] = one["every"]
-        result["chief"][name] = one["chief"]
-    return result
+    return trained_each(proc, built)
 
 
 def logit_fn_case(proc: Process) -> dict:
