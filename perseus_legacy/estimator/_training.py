@@ -40,12 +40,12 @@ import tensorflow as tf
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average, Sum
 from perseus_legacy.estimator import _payload
-from perseus_legacy.estimator._gate import GATE as _GATE
 from perseus_legacy.estimator._run_config import (
     EVALUATOR_TIMEOUT_ENV,
     DistributedRunConfig,
     cluster_role,
 )
+from perseus_legacy.tf1.gate import GATE as _GATE
 from perseus_legacy.tf1.hooks import BroadcastGlobalVariablesHook, SyncReplicasHook
 from perseus_legacy.tf_compat import estimator_api
 

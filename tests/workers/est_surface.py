@@ -460,21 +460,23 @@ def logging_tensor_case(proc: Process) -> dict:
     return result
 
 
-def nan_tensor_case(rank: int | None):
-    """NaN in step 2's batch: on every rank's slice (rank None), or on `rank`'s only."""
+def nan_tensor_case(rank: int | None, fail: bool = True):
+    """NaN in step 2's batch (global step 3): on every rank's slice (rank None), or on `rank`'s
+    only; NanTensorHook(fail_on_nan_loss=fail). "said": the exception as its traceback ends."""
     def case(proc: Process) -> dict:
         est = linear_estimator(proc, "model", {"training_hooks": lambda t: [
-            tf.compat.v1.train.NanTensorHook(t["loss"], fail_on_nan_loss=True)]})
+            tf.compat.v1.train.NanTensorHook(t["loss"], fail_on_nan_loss=fail)]})
         capture = Capture()
+        raised = said = None
         try:
             est.train(train_input_fn(proc, "value", nan_at=(2, rank)), max_steps=STEPS,
                       hooks=[capture])
-            raised = None
         except tf.compat.v1.estimator.NanLossDuringTrainingError as exc:
             raised = type(exc).__name__
-        return with_files(proc, {"every": {"raised": raised},
-                                 "chief": {"checkpoint_step": checkpoint_step(est)}},
-                          "model", est)
+            said = "".join(traceback.format_exception_only(exc))
+        return with_files(proc, {"every": dict(capture.record, raised=raised),
+                                 "chief": {"checkpoint_step": checkpoint_step(est)},
+                                 "said": said}, "model", est)
     return case
 
 
@@ -828,6 +830,7 @@ CASES = {
     "stop_if_no_increase": early_stopping_case("stop_if_no_increase_hook", "mae", 0),
     "make_early_stopping_hook": make_early_stopping_case,
     "request_stop_rank0": request_stop_case(0),
+    "nan_stop_on_one_rank": nan_tensor_case(1, fail=False),
     "nan_on_one_rank": nan_tensor_case(1),
     # refused before training
     "kmeans": refused(kmeans),
