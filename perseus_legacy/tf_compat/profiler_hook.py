@@ -2,8 +2,9 @@
 
 Necessary on every TensorFlow: `ProfilerHook.__init__` calls `SummaryWriterCache.get(output_dir)`,
 which creates output_dir and an events file at once. Of N ranks only rank 0 runs a ProfilerHook
-(the distributed Estimator drops the file-writing hooks on the others), but every rank builds
-one when the model_fn or the program does: each other rank would leave an events file behind.
+(the distributed Estimator and MonitoredSession leave the file-writing hooks out on the others),
+but every rank builds one when the model_fn or the program does: each other rank would leave an
+events file behind.
 The constructor stays TensorFlow's own code, run with a module namespace in which
 `SummaryWriterCache.get` returns a writer not opened yet; `begin()` (a session starting with the
 hook) opens the real one, from the same cache, with the graph that was the default at

@@ -157,7 +157,8 @@ ENTRIES = [
        "rank 0's slice's value"),
     _e("NanTensorHook train:NanTensorHook", EQUAL, "nan_tensor_hook nan_stop_on_one_rank",
        "a NaN loss on every rank: every rank raises NanLossDuringTrainingError at its step; "
-       "with fail_on_nan_loss=False, a NaN loss on one rank stops every rank after that step"),
+       "with fail_on_nan_loss=False (a MonitoredTrainingSession: an Estimator adds its own "
+       "NanTensorHook), a NaN loss on one rank stops every rank after that step"),
     _e("NanLossDuringTrainingError", STOPS, "nan_on_one_rank",
        "a NaN loss in one rank's slice only (one process: NaN in the global batch): every rank "
        "raises it after that step, the other ranks with a note naming the rank and the global "
@@ -170,18 +171,23 @@ ENTRIES = [
        "every rank gets the final values"),
     _e("GlobalStepWaiterHook train:GlobalStepWaiterHook", EQUAL, "global_step_waiter_hook",
        "waits for the shared global step"),
-    _e("StepCounterHook train:StepCounterHook", EQUAL, "step_counter_hook",
-       "the Estimator's own one and one given to train() or in training_hooks: rank 0 alone "
-       "runs it and writes its summaries"),
-    _e("CheckpointSaverHook train:CheckpointSaverHook", EQUAL, "checkpoint_saver_hook",
-       "given to train(): rank 0 alone saves and runs its listeners (the others wait)"),
+    _e("StepCounterHook train:StepCounterHook", EQUAL, "step_counter_hook session_writer_hooks",
+       "the Estimator's own one and one given to train() or in training_hooks, or in a "
+       "MonitoredTrainingSession with SyncReplicasHook: rank 0 alone runs it and writes its "
+       "summaries"),
+    _e("CheckpointSaverHook train:CheckpointSaverHook", EQUAL,
+       "checkpoint_saver_hook session_writer_hooks",
+       "given to train(): rank 0 alone saves and runs its listeners (the others wait); in a "
+       "MonitoredTrainingSession with SyncReplicasHook (in hooks= or its checkpoint_dir's): "
+       "rank 0 alone saves"),
     _e("CheckpointSaverListener", EQUAL, f"{DIST}::test_train_and_evaluate_without_tf_config_"
        "evaluates_on_rank_0_for_every_rank checkpoint_saver_hook",
        "saving_listeners of train() run on rank 0 only"),
     _e("SummarySaverHook train:SummarySaverHook", EQUAL,
-       f"summary_saver_hook {SUMMARIES}::test_tf_summary_in_a_model_fn_is_written_by_rank_0_"
-       "only_with_the_numpy_losses", "the Estimator's own summaries and a SummarySaverHook "
-       "given to train() or in training_hooks: rank 0 alone writes them"),
+       f"summary_saver_hook session_writer_hooks {SUMMARIES}::test_tf_summary_in_a_model_fn_is_"
+       "written_by_rank_0_only_with_the_numpy_losses", "the Estimator's own summaries and a "
+       "SummarySaverHook given to train() or in training_hooks, or in a "
+       "MonitoredTrainingSession with SyncReplicasHook: rank 0 alone writes them"),
     _e("StopAtStepHook train:StopAtStepHook", EQUAL, "stop_at_step_hook",
        "the global step is the same on every rank"),
     _e("experimental.InMemoryEvaluatorHook", EQUAL, "in_memory_evaluator_hook",
