@@ -100,15 +100,18 @@ class StopAgreement:
 
 def _the_same_error(module: str, name: str, message: str, context: str) -> Exception:
     """Another rank's hook exception: its class, when this process has it and it can be built
-    from the message alone, with `context` as a note (shown with the traceback; a class may
-    ignore its message, as NanLossDuringTrainingError does), else a RuntimeError saying all."""
+    from the message (a TensorFlow OpError: with no node and op), with `context` as a note
+    (shown with the traceback; a class may ignore its message, as NanLossDuringTrainingError
+    does), else a RuntimeError saying all."""
     found: Any = sys.modules.get(module)
     for part in name.split("."):
         found = getattr(found, part, None)
     if isinstance(found, type) and issubclass(found, Exception):
+        arguments = ((None, None, message) if issubclass(found, tf.errors.OpError)
+                     else (message,))
         try:
-            error = found(message)
-        except Exception:  # its constructor needs more than a message (a TensorFlow OpError)
+            error = found(*arguments)
+        except Exception:  # a constructor that needs more
             pass
         else:
             error.add_note(context)

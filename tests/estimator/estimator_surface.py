@@ -148,9 +148,10 @@ ENTRIES = [
        "export_saved_model linear_regressor", "signatures of an export"),
     # ---- hooks
     _e("SessionRunHook SessionRunArgs SessionRunContext SessionRunValues train:SessionRunHook",
-       STOPS, f"request_stop_rank0 {STOP_REQUESTS}",
+       STOPS, f"request_stop_rank0 hook_raises_on_one_rank {STOP_REQUESTS}",
        "the hook protocol (every case's capture hook uses it); a request_stop() on one rank "
-       "stops every rank after that step"),
+       "stops every rank after that step; an exception from its after_run on one rank is "
+       "raised by every rank after that step (the same class, built from its message)"),
     _e("SecondOrStepTimer", NOT_APPLICABLE, "logging_tensor_hook", "the hooks' timer"),
     _e("LoggingTensorHook train:LoggingTensorHook", EQUAL, "logging_tensor_hook",
        "rank 0 logs (the other ranks' INFO logs are dropped); a batch-dependent tensor holds "
@@ -209,7 +210,8 @@ ENTRIES = [
 
 # Cases where one rank alone stops or raises (a request_stop, a NaN loss in its slice only): run
 # with the STOPS cases, whatever their entry's outcome.
-STOP_CASES = ("request_stop_rank0", "nan_stop_on_one_rank", "nan_on_one_rank")
+STOP_CASES = ("request_stop_rank0", "nan_stop_on_one_rank", "nan_on_one_rank",
+              "hook_raises_on_one_rank")
 # Cases run on 3 ranks too: an odd count changes every slice and the gather of sparse rows.
 ODD_CASES = ("linear_classifier", "combined_classifier")
 # Cases run as TF_CONFIG tasks (chief, worker, evaluator), where the evaluator task changes

@@ -5,8 +5,9 @@ Usage: est_surface.py OUT_DIR distributed CASE[,CASE...]   (every rank, perseusr
        est_surface.py OUT_DIR reference CASE[,CASE...]     (one plain process, global batch)
        est_surface.py OUT_DIR task WHO CASE[,CASE...]      (a TF_CONFIG task; TF_CONFIG set)
 
-Each case builds its Estimator in a fresh graph and model_dir, uses the symbol the way its own
-documentation does, and returns what the pytest side compares with the reference:
+Each case builds its Estimator (a few: a MonitoredTrainingSession, in_session()) in a fresh graph
+and model_dir, uses the symbol the way its own documentation does, and returns what the pytest
+side compares with the reference:
   every   - what every rank must hold exactly as the reference (variables, global steps, the
             error a rank raised, ...): compared on every rank
   chief   - what rank 0 alone produces (metrics, predictions, exports, files written): compared
@@ -781,6 +782,50 @@ class StopOn(tf.compat.v1.train.SessionRunHook):
             run_context.request_stop()
 
 
+class StepSeen(tf.compat.v1.train.SessionRunHook):
+    """The global step after the last step whose after_run reached it (listed first: every
+    rank's, the one a hook raised in included)."""
+
+    def __init__(self) -> None:
+        self.step = None
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(tf.compat.v1.train.get_global_step())
+
+    def after_run(self, run_context, run_values):
+        self.step = int(run_values.results) + 1
+
+
+class RaiseOn(tf.compat.v1.train.SessionRunHook):
+    """Raises a ValueError in after_run at global step `step` on rank `rank` only (the
+    reference: always)."""
+
+    def __init__(self, proc: Process, rank: int, step: int) -> None:
+        self._here = proc.rank == rank or not proc.distributed
+        self._step = step
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(tf.compat.v1.train.get_global_step())
+
+    def after_run(self, run_context, run_values):
+        if self._here and run_values.results + 1 >= self._step:
+            raise ValueError(f"a bad value after global step {self._step}")
+
+
+def hook_raises_case(proc: Process) -> dict:
+    """A hook of a MonitoredTrainingSession raises a ValueError in its after_run, on rank 1
+    only, at global step 3."""
+    seen = StepSeen()
+    raised = message = said = None
+    try:
+        in_session(proc, lambda t: [seen, RaiseOn(proc, 1, 3)])
+    except ValueError as exc:
+        raised, message = type(exc).__name__, str(exc)
+        said = "".join(traceback.format_exception_only(exc))
+    return {"every": {"raised": raised, "message": message, "last_step": seen.step},
+            "said": said}
+
+
 def request_stop_case(rank: int):
     def case(proc: Process) -> dict:
         est = linear_estimator(proc, "model")
@@ -888,6 +933,7 @@ CASES = {
     "make_early_stopping_hook": make_early_stopping_case,
     "request_stop_rank0": request_stop_case(0),
     "nan_stop_on_one_rank": nan_stop_case,
+    "hook_raises_on_one_rank": hook_raises_case,
     "nan_on_one_rank": nan_tensor_case(1),
     # refused before training
     "kmeans": refused(kmeans),
