@@ -779,7 +779,10 @@ class StopOn(tf.compat.v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         if self._here and run_values.results + 1 >= self._step:
-            run_context.request_stop()
+            self.act(run_context)
+
+    def act(self, run_context) -> None:
+        run_context.request_stop()
 
 
 class StepSeen(tf.compat.v1.train.SessionRunHook):
@@ -796,20 +799,12 @@ class StepSeen(tf.compat.v1.train.SessionRunHook):
         self.step = int(run_values.results) + 1
 
 
-class RaiseOn(tf.compat.v1.train.SessionRunHook):
+class RaiseOn(StopOn):
     """Raises a ValueError in after_run at global step `step` on rank `rank` only (the
     reference: always)."""
 
-    def __init__(self, proc: Process, rank: int, step: int) -> None:
-        self._here = proc.rank == rank or not proc.distributed
-        self._step = step
-
-    def before_run(self, run_context):
-        return tf.compat.v1.train.SessionRunArgs(tf.compat.v1.train.get_global_step())
-
-    def after_run(self, run_context, run_values):
-        if self._here and run_values.results + 1 >= self._step:
-            raise ValueError(f"a bad value after global step {self._step}")
+    def act(self, run_context) -> None:
+        raise ValueError(f"a bad value after global step {self._step}")
 
 
 def hook_raises_case(proc: Process) -> dict:
