@@ -11,6 +11,7 @@ in sequence, each in a fresh graph and model_dir:
 The tests compare each case's per-rank record with the reference's: "every" values on every rank
 (variables, steps: rtol 1e-5, atol 1e-6), "chief" values (metrics, predictions, exports, files
 written, logs) on rank 0; on the other ranks every "chief" value must be empty (nothing written).
+A hook's exception on one rank is also checked for what the other rank's error says.
 Besides, the matrix must classify exactly the public symbols of the installed TensorFlow, and
 docs/estimator.md's table must be the matrix's.
 """
@@ -210,6 +211,23 @@ def test_every_rank_stops_after_the_step_one_process_stops_at(runs, case):
     """A stop decided on one rank only (or by a hook reading rank 0's model_dir) stops every
     rank after the same step as one process, with its variables."""
     assert_like_one_process(runs, "stops", case)
+
+
+@pytest.mark.parametrize("case, hook, error", [
+    ("nan_on_one_rank", "NanTensorHook", "NanLossDuringTrainingError"),
+    ("hook_raises_on_one_rank", "RaiseOn", "ValueError")])
+def test_a_hook_exception_on_one_rank_is_raised_by_every_rank_naming_that_rank_and_step(
+        runs, case, hook, error):
+    """The cases (equal to one process above) where rank 1's hook raises in after_run after
+    global step 3 (NaN in the batch of step index 2; a ValueError at step 3): rank 1 raises its
+    own error, rank 0 the same class, whose traceback names the hook, rank 1 and the step, not
+    a lost peer."""
+    run = runs.result("stops")
+    said = [case_data(run, case, f"rank {rank}", record)["said"]
+            for rank, record in enumerate(run["records"])]
+    assert re.search(rf"{error}: ", said[1]) and "perseus_legacy" not in said[1], said
+    assert re.search(rf"{error}: .*\n.*{hook}\.after_run raised {error} on rank 1 at global "
+                     r"step 3; every rank raises it", said[0]), said
 
 
 @pytest.mark.parametrize("case", surface.cases(surface.REFUSED))
