@@ -20,9 +20,11 @@ $(VENV)/.built: $(VENV)/.installed $(NATIVE_SOURCES)
 	touch $@
 
 # Whole suite: native collectives under real mpirun/perseusrun launches, hooks, estimator matrix.
+# Two test modules at a time (pytest-xdist, a module per worker): most launches spend their time
+# waiting on their own ranks, timeouts and daemons, so a second module fills the idle core.
 test: build compat-venvs tf215-ops slurm-packages
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q --timeout=900 --durations=30 tests
+	$(PY) -m pytest -q --timeout=900 --durations=30 -n 2 --dist loadfile tests
 
 # TensorFlow compatibility matrix (tests/estimator): TF 2.15.1 and TF 2.16.2, each in its own venv,
 # built side by side and reused while their requirements file is unchanged.

@@ -92,7 +92,8 @@ class StopAgreement:
             print(context, flush=True)
             if raised is not None:
                 raise raised[1]
-            raise _the_same_error(module, name, message, context)
+            raise _the_same_error(module, name, f"{where} failed: {name}: {message} ({hook}."
+                                  f"after_run, global step {step})", context)
         print(f"perseus_legacy[rank {basics.rank()}]: {reason.decode()} on {where} requested a "
               f"stop at global step {step}; every rank stops after this step", flush=True)
         return True
@@ -100,9 +101,9 @@ class StopAgreement:
 
 def _the_same_error(module: str, name: str, message: str, context: str) -> Exception:
     """Another rank's hook exception: its class, when this process has it and it can be built
-    from the message (a TensorFlow OpError: with no node and op), with `context` as a note
-    (shown with the traceback; a class may ignore its message, as NanLossDuringTrainingError
-    does), else a RuntimeError saying all."""
+    from the message (naming that rank; a TensorFlow OpError: with no node and op), with `context`
+    as a note (shown with the traceback; a class may ignore its message, as
+    NanLossDuringTrainingError does), else a RuntimeError saying all."""
     found: Any = sys.modules.get(module)
     for part in name.split("."):
         found = getattr(found, part, None)

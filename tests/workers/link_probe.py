@@ -1,6 +1,6 @@
 """Measures an emulated link from inside two emulated hosts; plain sockets, nothing else.
 
-    link_probe.py serve ADDRESS             UDP echo on port 7000 (`count` answers how many
+    link_probe.py serve ADDRESS             UDP echo on port 7000 (`count N` answers how many
                                             datagrams port 7002 took), a TCP sink on 7001
     link_probe.py measure ADDRESS WHAT...   against a server at ADDRESS; WHAT is any of
                                             rtt, loss, stream; prints one JSON line:
@@ -9,6 +9,7 @@
         stream  one TCP stream, 1 s to open its window, then bytes over 2 s (bits/s)
 """
 
+import itertools
 import json
 import socket
 import statistics
@@ -49,24 +50,35 @@ def serve(address: str) -> None:
     print("serving", flush=True)
     while True:
         data, peer = echo.recvfrom(64)
-        echo.sendto(str(len(counted)).encode() if data == b"count" else data, peer)
+        if data.startswith(b"count "):
+            data += b" " + str(len(counted)).encode()
+        echo.sendto(data, peer)
+
+
+_questions = itertools.count()
 
 
 def ask(sock: socket.socket, address: str, message: bytes) -> tuple[bytes, float]:
-    """The answer to `message` and its round trip in ms, sending again after each lost one."""
+    """The answer to `message` and its round trip in ms, sending again after each lost one. Each
+    question carries a number of its own: a late answer to an earlier one (sent again after 0.2
+    s, then both answered) is skipped, never taken for this one's."""
+    question = message + b" " + str(next(_questions)).encode()
     for _ in range(100):
         start = time.perf_counter()
-        sock.sendto(message, (address, ECHO))
-        try:
-            return sock.recv(64), (time.perf_counter() - start) * 1000
-        except socket.timeout:
-            continue
+        sock.sendto(question, (address, ECHO))
+        while (left := 0.2 - (time.perf_counter() - start)) > 0:
+            sock.settimeout(left)
+            try:
+                answer = sock.recv(64)
+            except socket.timeout:
+                break
+            if answer.startswith(question):
+                return answer[len(question):].strip(), (time.perf_counter() - start) * 1000
     raise SystemExit(f"no answer from {address} to 100 datagrams")
 
 
 def measure(address: str, what: list[str]) -> dict:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.settimeout(0.2)
     ask(sock, address, b"hello")  # both hosts' neighbour entries are resolved from here on
     result = {}
     if "rtt" in what:
