@@ -54,6 +54,23 @@ def run_cases(rank: int, cases: dict[str, Callable[[], None]],
     return failed
 
 
+def launcher_rank() -> int:
+    """This process's rank as its launcher set it (mpirun or perseusrun --tcp), for what runs
+    before init(); 0 when no launcher set one."""
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PERSEUS_TCP_RANK", "0")))
+
+
+def wanted_cases(cases: Sequence[str], wanted: Sequence[str],
+                 default: Sequence[str] | None = None) -> list[str]:
+    """Of a worker's `cases`, those `wanted` (its argv; if none, `default`, else all) in the
+    order of `cases`; fails naming the unknown ones."""
+    wanted = list(wanted) or list(cases if default is None else default)
+    unknown = sorted(set(wanted) - set(cases))
+    if unknown:
+        fail(launcher_rank(), f"unknown cases {unknown}; known: {list(cases)}")
+    return [name for name in cases if name in wanted]
+
+
 def assert_close(rank: int, what: str, got, expected, rtol: float = 1e-6, atol: float = 0.0):
     got, expected = np.asarray(got), np.asarray(expected)
     if got.shape != expected.shape:
