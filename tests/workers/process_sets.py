@@ -321,6 +321,7 @@ CASES = ("queries", "concurrent_step", "tape", "collectives", "errors", "tf1_opt
 
 
 def named_cases(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> dict:
+    """The cases that run with A and B registered, by name."""
     return {
         "queries": lambda: check_queries(rank, size, a, b),
         "concurrent_step": lambda: check_concurrent_step(rank, size, a, b),
