@@ -105,10 +105,10 @@ class _DieAfterShardsWritten(BulkSaverBuilder):
         return np.int64(0)
 
 
-def make_model_fn(rank: int, phase: str):
-    init = initial_values(rank, phase)
-
+def make_model_fn(phase: str):
     def model_fn(features, labels, mode):
+        rank = pl.rank()  # run_config() has initialized perseus_legacy by now
+        init = initial_values(rank, phase)
         scaffold = None
         if phase == "kill_saving" and rank == 0:
             # The Estimator's own saver, but for the builder (sharded, relative paths, 5 kept).
@@ -181,7 +181,7 @@ class Progress(tf.compat.v1.train.SessionRunHook):
 
 def make_estimator(model_dir: str, phase: str) -> tf.estimator.Estimator:
     """This rank's Estimator: run_config(), a checkpoint every EVERY steps, one thread."""
-    return one_thread_estimator(make_model_fn(pl.rank(), phase), model_dir, EVERY)
+    return one_thread_estimator(make_model_fn(phase), model_dir, EVERY)
 
 
 def main() -> None:
