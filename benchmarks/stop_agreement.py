@@ -63,7 +63,7 @@ def train(steps: int, agreement: bool) -> float:
 
 def rounds(steps: int, agreement: bool) -> float:
     from perseus_legacy.common import basics
-    from perseus_legacy.estimator._gate import GATE
+    from perseus_legacy.tf1.gate import GATE
 
     pl.init()
     one = np.zeros(1, np.float32)

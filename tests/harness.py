@@ -14,25 +14,29 @@ The rank side's helpers (what tests/workers/*.py share) are in tests/workers/wor
 from __future__ import annotations
 
 import ast
+import concurrent.futures
 import importlib.util
 import json
 import os
 import queue
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import pytest
 
 from perseus_shared.mpi import MPI_LAUNCHER_VARIABLES
-from perseusrun import emulate, supervise
+from perseusrun import emulate, supervise, tcp_run
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -330,6 +334,59 @@ def finish(procs: list, timeout: float) -> list[tuple[int, str]]:
                             f"{p.communicate()[0] or ''}" for i, p in enumerate(procs))
         raise AssertionError(f"processes hung past {timeout} s:\n{outputs}") from None
     return results
+
+
+# ---- launches that run at once, and TF_CONFIG tasks started by hand ---------------------------
+
+class LaunchPool:
+    """Launches a module-scoped fixture starts at once in the background (most of a launch's time
+    is spent waiting on its own ranks, not computing); the tests read each one's result by name.
+    A launch is a function of its own empty output directory, and bounds its processes with a
+    timeout (run_ranks, wait_all and finish do)."""
+
+    def __init__(self, prefix: str, launches: dict[str, Callable[[Path], object]]) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix=prefix))
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(launches)))
+        self._futures = {}
+        for name, launch in launches.items():
+            out = self.root / name
+            out.mkdir()
+            self._futures[name] = self._pool.submit(launch, out)
+
+    def result(self, name: str):
+        """What the launch returned; raises what it raised (a failed assertion fails the test)."""
+        return self._futures[name].result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)  # every launch ends by its own timeout at the latest
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def start_logged(cmd: list, log: Path, env: dict, popen: Callable = subprocess.Popen
+                 ) -> subprocess.Popen:
+    """Starts `cmd` in the repo, leading a process group of its own, its output to the file `log`
+    (a file: no pipe fills while it waits for the others); `popen` may be an emulated host's."""
+    with open(log, "w") as stream:
+        return popen([str(c) for c in cmd], cwd=ROOT, env=env, stdout=stream,
+                     stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def tf_config_cluster(tasks: list[tuple[str, int]], addresses: list[str] | None = None) -> dict:
+    """The TF_CONFIG cluster of `tasks` [(type, index)] in order, one address each: `addresses`
+    (host:port), or free ports on 127.0.0.1."""
+    if addresses is None:
+        addresses = [f"127.0.0.1:{port}" for port in tcp_run.free_local_ports(len(tasks))]
+    cluster: dict = {}
+    for (task_type, _), address in zip(tasks, addresses, strict=True):
+        cluster.setdefault(task_type, []).append(address)
+    return cluster
+
+
+def tf_config_env(cluster: dict, task_type: str, index: int, extra: dict | None = None,
+                  base: dict | None = None) -> dict:
+    """task_env() of one task of `cluster` started by hand: its TF_CONFIG, plus `extra`."""
+    config = json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
+    return task_env({"TF_CONFIG": config, **(extra or {})}, base=base)
 
 
 # ---- emulated hosts ----------------------------------------------------------------------------

@@ -14,7 +14,6 @@ its faults, and the rerun).
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -33,7 +32,8 @@ from harness import (
     needs_emulation,
     run_emulated,
     run_perseusrun,
-    task_env,
+    tf_config_cluster,
+    tf_config_env,
     trajectory,
     wait_all,
 )
@@ -162,12 +162,11 @@ def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
     procs, logs = [], []
     try:
         with emulate.emulated_hosts(2) as hosts:
-            cluster = {"chief": [f"{hosts[0].address}:{TF_CONFIG_PORT}"],
-                       "worker": [f"{hosts[1].address}:{TF_CONFIG_PORT}"]}
-            for (task_type, index), host in zip((("chief", 0), ("worker", 0)), hosts):
-                config = {"cluster": cluster, "task": {"type": task_type, "index": index}}
-                env = task_env({"TF_CONFIG": json.dumps(config), "TMPDIR": str(tmp_path),
-                                "PERSEUS_SECRET": "fault-checkpoint-secret"})
+            tasks = [("chief", 0), ("worker", 0)]
+            cluster = tf_config_cluster(tasks, [f"{h.address}:{TF_CONFIG_PORT}" for h in hosts])
+            for (task_type, index), host in zip(tasks, hosts):
+                env = tf_config_env(cluster, task_type, index, {
+                    "TMPDIR": str(tmp_path), "PERSEUS_SECRET": "fault-checkpoint-secret"})
                 logs.append(tmp_path / f"{phase}.{task_type}.log")
                 with open(logs[-1], "w") as log:
                     procs.append(host.popen(

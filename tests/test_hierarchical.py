@@ -1,6 +1,7 @@
-"""The hierarchical allreduce (reduce-scatter within a host, a ring across hosts per local rank,
-allgather within the host) on emulated hosts, over MPI and TCP: results against numpy, and the
-algorithm that ran, from runtime_stats and the timeline. PERSEUS_HIERARCHICAL_ALLREDUCE=0 and one
+"""The hierarchical allreduce (reduce-scatter within a host, an allreduce across hosts per local
+rank by the cost model's algorithm, allgather within the host) on emulated hosts of 2 and 4 ranks,
+over MPI and TCP: results against numpy, and the algorithms that ran, from runtime_stats and the
+timeline. PERSEUS_HIERARCHICAL_ALLREDUCE=0 and one
 rank per host run flat; ranks that disagree on the setting fail init() saying so.
 
 The emulated launches need root and iproute2 (see tests/harness.py); without them they
@@ -26,16 +27,25 @@ NOT_APPLICABLE = "PERSEUS_HIERARCHICAL_ALLREDUCE=1, but every allreduce runs fla
 
 
 @needs_emulation
-@pytest.mark.parametrize("controller,setting", [("mpi", ""), ("tcp", "1")],
-                         ids=["mpi-auto", "tcp-setting-1"])
-def test_2_hosts_x_2_ranks_reduce_hierarchically_and_match_numpy(controller, setting, tmp_path):
+@pytest.mark.parametrize("controller,layout,setting",
+                         [("mpi", "2:2", ""), ("tcp", "2:2", "1"), ("mpi", "2:4", ""),
+                          ("tcp", "2:4", "")],
+                         ids=["mpi-2x2-auto", "tcp-2x2-setting-1", "mpi-2x4", "tcp-2x4"])
+def test_hosts_of_several_ranks_reduce_hierarchically_and_match_numpy(controller, layout, setting,
+                                                                      tmp_path):
     """Every op and dtype, 1 to ~1 MiB + 7 elements, scaling, fused groups: equal to numpy; each
-    global-set allreduce counted hierarchical and named so on the timeline; a process set's
-    allreduce (one rank per host) ran flat."""
-    options = ["--emulate-hosts", "2:2"] + (["--tcp"] if controller == "tcp" else [])
-    out = run_emulated(options, WORKER, "hierarchical", tmp_path / "trace", timeout=150,
+    global-set allreduce counted hierarchical and named so on the timeline, its part across
+    hosts counted by the cost model's algorithm for its segment; a process set's allreduce (one
+    rank per host) ran flat. With 4 ranks a host (8 ranks on this machine's cores), fewer dtypes
+    and large tensors."""
+    options = ["--emulate-hosts", layout] + (["--tcp"] if controller == "tcp" else [])
+    expect = "hierarchical-quick" if layout == "2:4" else "hierarchical"
+    out = run_emulated(options, WORKER, expect, tmp_path / "trace", timeout=150,
                        env={"PERSEUS_HIERARCHICAL_ALLREDUCE": setting})
-    assert_every_rank(out, 4, hierarchical=True)
+    per_host = int(layout.split(":")[1])
+    assert_every_rank(out, 2 * per_host, hierarchical=True)
+    # The layout the launcher gave: each rank's host and its place on it.
+    assert out.count(f"local_size={per_host} cross_size=2") == 2 * per_host, out
     assert NOT_APPLICABLE not in out, out
 
 

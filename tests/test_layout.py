@@ -1,6 +1,6 @@
-"""The package's layout: no import cycle between perseus_legacy modules, and perseus_legacy/common
-free of TensorFlow and Keras (static: the imports are read with ast, nothing is imported); every
-worker of tests/workers in tests/README.md's map."""
+"""The package's layout: no import cycle between perseus_legacy modules, no layer importing one
+above it, and perseus_legacy/common free of TensorFlow and Keras (static: the imports are read
+with ast, nothing is imported); every worker of tests/workers in tests/README.md's map."""
 
 from __future__ import annotations
 
@@ -89,6 +89,28 @@ def test_no_import_cycle_between_perseus_legacy_modules():
     assert "perseus_legacy.tensorflow.collectives" in graph  # the graph covers the tree
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# docs/design.md: imports go one way, common/ <- tensorflow/ <- tf1/ <- the layers above, with
+# one exception (tf1's DistributedOptimizer hands a Keras optimizer over to keras/).
+LAYERS = ("common", "tensorflow", "tf1")
+ABOVE = ("keras", "estimator", "elastic")
+LAYER_EXCEPTIONS = {("perseus_legacy.tf1.optimizer", "perseus_legacy.keras")}
+
+
+def test_a_layer_imports_no_layer_above_it():
+    offending = []
+    for name, targets in import_graph().items():
+        layer = name.split(".")[1] if name.count(".") else None
+        if layer not in LAYERS:
+            continue
+        for target in sorted(targets):
+            parts = target.split(".")
+            above = len(parts) == 1 or parts[1] in ABOVE or (
+                parts[1] in LAYERS and LAYERS.index(parts[1]) > LAYERS.index(layer))
+            if above and (name, target) not in LAYER_EXCEPTIONS:
+                offending.append(f"{name} imports {target}")
+    assert not offending, "imports must go one way (docs/design.md):\n" + "\n".join(offending)
 
 
 def test_common_imports_no_framework():

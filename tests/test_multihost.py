@@ -33,7 +33,8 @@ from harness import (
     needs_emulation,
     run_emulated,
     start_reference,
-    task_env,
+    tf_config_cluster,
+    tf_config_env,
     wait_all,
     worker_cases,
 )
@@ -251,15 +252,11 @@ def test_tf_config_chief_2_workers_and_evaluator_on_4_hosts_train_and_evaluate_l
     procs = []
     try:
         with emulate.emulated_hosts(len(tasks)) as hosts:
-            cluster: dict = {}
-            for (task_type, _), host in zip(tasks, hosts):
-                cluster.setdefault(task_type, []).append(f"{host.address}:2222")
+            cluster = tf_config_cluster(tasks, [f"{host.address}:2222" for host in hosts])
             for (task_type, index), host in zip(tasks, hosts):
                 who = f"{task_type}{index}"
-                config = {"cluster": cluster, "task": {"type": task_type, "index": index}}
-                env = task_env({"TF_CONFIG": json.dumps(config),
-                                "PERSEUS_SECRET": "multihost-job-secret",
-                                "PERSEUS_START_TIMEOUT": "300"})
+                env = tf_config_env(cluster, task_type, index, {
+                    "PERSEUS_SECRET": "multihost-job-secret", "PERSEUS_START_TIMEOUT": "300"})
                 with open(tmp_path / f"{who}.log", "w") as log:
                     procs.append(host.popen([sys.executable, str(ROOT / worker), str(tmp_path),
                                              str(model_dir), "task", who], env=env, cwd=ROOT,

@@ -18,6 +18,8 @@ BAD_VALUES = [
     ("PERSEUS_STALL_SHUTDOWN_SECS", "5 min", "is not a non-negative number"),
     ("PERSEUS_CACHE_CAPACITY", "lots", "is not a non-negative number"),
     ("PERSEUS_HIERARCHICAL_ALLREDUCE", "yes", "is not one of auto, 0, 1"),
+    ("PERSEUS_AUTOTUNE", "yes", "is not 0 or 1"),
+    ("PERSEUS_AUTOTUNE_CYCLES_PER_SAMPLE", "0", "is not a count of at least 1"),
     ("PERSEUS_DEBUG_FAULT", "crash@1", "is not KIND@RANK with KIND one of internal"),
     ("PERSEUS_DEBUG_FAULT", "internal@x", "is not KIND@RANK"),
     ("PERSEUS_DEBUG_FAULT", "internal", "is not KIND@RANK"),

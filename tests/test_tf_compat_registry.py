@@ -73,3 +73,32 @@ def test_the_collectives_exempt_from_program_order_are_every_op_the_library_regi
                   and op_def_registry.get(name) is not None}
     assert registered == set(control_deps.COLLECTIVE_OP_TYPES), (
         "ops/tensorflow/kernels.cc's REGISTER_OPs and control_deps.COLLECTIVE_OP_TYPES differ")
+
+
+def test_a_profiler_hook_opens_nothing_until_it_begins_then_writes_as_tensorflow_does(tmp_path):
+    """Built, a ProfilerHook creates no output_dir (another rank builds one it never runs); run
+    for 5 steps with save_steps=2 it writes TensorFlow's timelines of steps 2 and 4 and one
+    events file with the graph and their run metadata."""
+    import tensorflow as tf
+
+    with tf.Graph().as_default():
+        step = tf.compat.v1.train.get_or_create_global_step()
+        tf.compat.v1.train.ProfilerHook(save_steps=2, output_dir=str(tmp_path / "never"))
+        used = tf.compat.v1.train.ProfilerHook(save_steps=2, output_dir=str(tmp_path / "used"))
+        assert not list(tmp_path.iterdir())
+        increment = tf.compat.v1.assign_add(step, 1)
+        with tf.compat.v1.train.MonitoredSession(hooks=[used]) as session:
+            for _ in range(5):
+                session.run(increment)
+    tf.compat.v1.summary.FileWriterCache.get(str(tmp_path / "used")).flush()  # as a job ends
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["used"]
+    written = sorted(p.name for p in (tmp_path / "used").iterdir())
+    assert [n for n in written if not n.startswith("events.")] == ["timeline-2.json",
+                                                                   "timeline-4.json"], written
+    [events] = [n for n in written if n.startswith("events.")]
+    tags, graphs = [], 0
+    for event in tf.compat.v1.train.summary_iterator(str(tmp_path / "used" / events)):
+        graphs += bool(event.graph_def)
+        if event.HasField("tagged_run_metadata"):
+            tags.append(event.tagged_run_metadata.tag)
+    assert (tags, graphs) == (["step_2", "step_4"], 1)

@@ -55,13 +55,17 @@ enum class ResponseType : uint8_t {
   // ranks in `sizes`) or removed; with `error` set, the change failed on every rank.
   kProcessSetAdded = 8,
   kProcessSetRemoved = 9,
+  // PERSEUS_AUTOTUNE (runtime/autotune.h): from here on every rank fuses up to sizes[0] bytes,
+  // paces its rounds by sizes[1] microseconds and gives the allreduce cost model a step latency
+  // of sizes[2] nanoseconds; sizes[3] == 1: for the rest of the job.
+  kTune = 10,
 };
 // A collective's response has the value of its CollectiveType.
 static_assert(static_cast<int>(ResponseType::kAlltoall) ==
                   static_cast<int>(kLastCollectiveType),
               "each CollectiveType needs its ResponseType, numbered alike, before kError");
 // The highest ResponseType: Deserialize refuses any above it (move it when adding one).
-constexpr ResponseType kLastResponseType = ResponseType::kProcessSetRemoved;
+constexpr ResponseType kLastResponseType = ResponseType::kTune;
 
 struct Response {
   ResponseType type = ResponseType::kAllreduce;

@@ -63,6 +63,9 @@ class Coordinator {
   // when any rank is shutting down.
   ResponseList Plan(Clock::time_point now, std::string* stall_warning);
 
+  // The fusion threshold of later answers (PERSEUS_AUTOTUNE's changes).
+  void set_fusion_threshold(int64_t bytes) { options_.fusion_threshold_bytes = bytes; }
+
   // Whether tensors wait in the table (their stall checks need rounds through the coordinator).
   bool has_pending() const { return !table_.empty(); }
 

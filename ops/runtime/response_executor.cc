@@ -85,6 +85,7 @@ Status ResponseExecutor::Run(const Response& response,
     case ResponseType::kJoin:
     case ResponseType::kProcessSetAdded:
     case ResponseType::kProcessSetRemoved:
+    case ResponseType::kTune:
       break;  // not collectives: the runtime's negotiation loop acts on them
   }
   return Status::Error("response type " + std::to_string(static_cast<int>(response.type)) +
@@ -217,10 +218,12 @@ Status ResponseExecutor::Transport(const void* in, void* out, int64_t count, Dat
   // checks the setting at init).
   if (local && cross && hierarchical_ != Hierarchical::kNever) {
     RuntimeStats::Add(stats_.hierarchical_allreduces, 1);
-    Status s = controller_.HierarchicalAllreduce(in, out, count, dtype, op, how);
+    AllreduceAlgorithm across = AllreduceAlgorithm::kAuto;
+    Status s = controller_.HierarchicalAllreduce(in, out, count, dtype, op, how, &across);
     if (std::strcmp(*how, Controller::kHierarchicalPipelined) == 0) {
       RuntimeStats::Add(stats_.pipelined_hierarchical_allreduces, 1);
     }
+    if (across != AllreduceAlgorithm::kAuto) stats_.AllreduceRan(across);  // the cross part
     return s;
   }
   // Flat: the controller's algorithm for this size and group (allreduce_algorithms.h).

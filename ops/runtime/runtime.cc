@@ -2,12 +2,15 @@
 // call: it negotiates rounds (through the response cache, response_cache.h, and the coordinator,
 // negotiation.h) and executes the answers in order (response_executor.h). Requests reach it
 // through the tensor queue (tensor_queue.h). It counts what it does (stats.h) and, while one
-// runs, records each tensor's phases on the timeline (timeline.h).
+// runs, records each tensor's phases on the timeline (timeline.h). Under PERSEUS_AUTOTUNE,
+// rank 0 measures its rounds and sends new fusion and cycle values with its answers
+// (autotune.h), which every rank applies at the same point.
 #include "runtime/runtime.h"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <csignal>
 #include <cstdio>
@@ -21,6 +24,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "runtime/autotune.h"
 #include "runtime/fusion.h"
 #include "runtime/message.h"
 #include "runtime/negotiation.h"
@@ -165,6 +169,10 @@ class Runtime {
   bool CoordinatorRound(const RequestList& mine, bool* progressed);
   // Runs one response of a round (ResponseExecutor) and completes this rank's requests in it.
   bool Execute(const Response& response, bool from_cache);
+  // Applies a kTune answer (autotune.h) on this rank; false when it is malformed.
+  bool ApplyTuning(const Response& response);
+  // The values PERSEUS_AUTOTUNE sets, as in force, in the counters of runtime_stats().
+  void ShowTuned();
   bool CommunicationFailed(const Status& s, const char* during);
   void Complete(const std::vector<std::string>& names, const Status& status);
   void FinishJoin(const Status& status, int last_joined_rank);
@@ -238,6 +246,9 @@ class Runtime {
   std::map<int32_t, std::unique_ptr<Controller>> set_controllers_;
   FusionBuffer fusion_;
   int64_t round_start_us_ = 0;  // while a timeline runs: when the current round started
+  // PERSEUS_AUTOTUNE on rank 0: the search, and the allreduce bytes of the current round.
+  std::unique_ptr<Autotuner> tuner_;
+  int64_t round_allreduce_bytes_ = 0;
 };
 
 // Never destroyed: a background thread still running at exit (no shutdown()) keeps using it.
@@ -322,6 +333,16 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
     options.stall_shutdown_secs = settings_.stall_shutdown_secs;
     coordinator_ = std::make_unique<Coordinator>(options);
   }
+  tuner_.reset();
+  if (rank_ == 0 && settings_.autotune) {
+    tuner_ = std::make_unique<Autotuner>(
+        TunedValues{settings_.fusion_threshold_bytes, settings_.cycle_time_ms,
+                    settings_.allreduce.hop_latency_secs * 1e6},
+        settings_.autotune_cycles_per_sample, settings_.autotune_log);
+    if (!tuner_->log_status().ok()) Log("WARNING: " + tuner_->log_status().message());
+  }
+  RuntimeStats::Set(stats_.autotune_fixed, 0);
+  ShowTuned();
   announced_.clear();
   cache_ = CacheRounds(settings_.cache_capacity);
   joined_ = false;
@@ -411,6 +432,7 @@ void Runtime::ShutdownLocked() {
   }
   threads_supported_ = false;
   coordinator_.reset();
+  tuner_.reset();
   set_controllers_.clear();  // they may use the controller's connections
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -659,9 +681,10 @@ void Runtime::Fatal(const std::string& reason) {
 }
 
 void Runtime::LoopRounds() {
-  const auto cycle = std::chrono::duration<double, std::milli>(settings_.cycle_time_ms);
   bool last_round_progressed = false;
   while (true) {
+    // Read each round: PERSEUS_AUTOTUNE's answers change it.
+    const auto cycle = std::chrono::duration<double, std::milli>(settings_.cycle_time_ms);
     RequestList mine;
     std::vector<std::string> fresh;
     std::string abort_reason;
@@ -713,7 +736,12 @@ void Runtime::LoopRounds() {
       Fatal(abort_reason);
       return;
     }
+    round_allreduce_bytes_ = 0;
     if (!RunRound(fresh, &mine, &last_round_progressed)) return;
+    if (tuner_ && round_allreduce_bytes_ > 0) {
+      tuner_->Cycle(round_allreduce_bytes_,
+                    std::chrono::duration<double>(Clock::now().time_since_epoch()).count());
+    }
   }
 }
 
@@ -752,7 +780,7 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
   std::vector<uint64_t> bits = cache_.Offer(
       fresh, &announced_,
       mine->shutting_down || mine->joined || mine->set_change != SetChange::kNone ||
-          busy_coordinator,
+          busy_coordinator || (tuner_ && tuner_->has_change()),
       joined_);
   if (DebugFaultHere(DebugFault::kBitVector) &&
       std::any_of(fresh.begin(), fresh.end(), [](const std::string& name) {
@@ -784,7 +812,9 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
   bool final_answer = false;  // rank 0: the answer ends the runtime (a shutdown, a fatal error)
   if (s.ok() && coordinator_) {
     std::string warning;
-    const ResponseList plan = coordinator_->Answer(gathered, &warning);
+    ResponseList plan = coordinator_->Answer(gathered, &warning);
+    // After the answer's collectives, which the coordinator fused with the values in force.
+    if (tuner_ && tuner_->has_change()) plan.responses.push_back(tuner_->TakeChange());
     if (!warning.empty()) {
       RuntimeStats::Add(stats_.stall_warnings, 1);
       Log(warning);
@@ -827,6 +857,9 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
       case ResponseType::kProcessSetAdded:
       case ResponseType::kProcessSetRemoved:
         if (!ApplySetChange(response)) return false;
+        break;
+      case ResponseType::kTune:
+        if (!ApplyTuning(response)) return false;
         break;
       case ResponseType::kError: {
         std::vector<std::string> mine_failed;
@@ -872,6 +905,12 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   }
 
   if (timeline_.enabled()) RecordNegotiation(response, entries, from_cache);
+  if (tuner_ && response.type == ResponseType::kAllreduce) {
+    const int64_t item = static_cast<int64_t>(DataTypeSize(response.dtype));
+    for (const CollectiveRequest* e : entries) {
+      round_allreduce_bytes_ += NumElements(e->shape) * item;
+    }
+  }
   Status op;
   const Status comm =
       ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
@@ -887,6 +926,41 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
     Complete(response.names, op);
   }
   return true;
+}
+
+bool Runtime::ApplyTuning(const Response& response) {
+  TunedValues values;
+  bool final = false;
+  if (!TunedFrom(response, &values, &final)) {
+    Fatal("internal error on rank " + std::to_string(rank_) +
+          ": a malformed PERSEUS_AUTOTUNE answer from the coordinator");
+    return false;
+  }
+  // Every rank applies it after the same collectives of the same answer: the next cache round
+  // fuses with the same threshold everywhere.
+  settings_.fusion_threshold_bytes = values.fusion_threshold_bytes;
+  settings_.cycle_time_ms = values.cycle_time_ms;
+  settings_.allreduce.hop_latency_secs = values.hop_latency_us * 1e-6;
+  if (coordinator_) coordinator_->set_fusion_threshold(values.fusion_threshold_bytes);
+  // The algorithm of each later allreduce, on every data plane (sets' copies included).
+  controller_->SetAllreducePolicy(settings_.allreduce);
+  for (auto& [id, set] : set_controllers_) set->SetAllreducePolicy(settings_.allreduce);
+  RuntimeStats::Add(stats_.autotune_changes, 1);
+  if (final) RuntimeStats::Set(stats_.autotune_fixed, 1);
+  ShowTuned();
+  if (tuner_) {
+    const std::string chosen = tuner_->Applied();
+    if (!chosen.empty()) Log(chosen);
+  }
+  return true;
+}
+
+void Runtime::ShowTuned() {
+  RuntimeStats::Set(stats_.fusion_threshold_bytes, settings_.fusion_threshold_bytes);
+  RuntimeStats::Set(stats_.cycle_time_us,
+                    static_cast<int64_t>(std::llround(settings_.cycle_time_ms * 1000)));
+  const double latency_ns = settings_.allreduce.hop_latency_secs * 1e9;
+  RuntimeStats::Set(stats_.hop_latency_ns, static_cast<int64_t>(std::llround(latency_ns)));
 }
 
 void Runtime::Complete(const std::vector<std::string>& names, const Status& status) {

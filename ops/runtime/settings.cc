@@ -63,6 +63,15 @@ Status ReadHierarchical(const char* name, Hierarchical* value) {
   return Invalid(name, text, "one of auto, 0, 1");
 }
 
+Status ReadFlag(const char* name, bool* value) {
+  const char* text = Text(name);
+  if (text == nullptr) return Status::OK();
+  const std::string flag(text);
+  if (flag != "0" && flag != "1") return Invalid(name, text, "0 or 1");
+  *value = flag == "1";
+  return Status::OK();
+}
+
 Status ReadAllreduce(AllreducePolicy* policy) {
   const char* name = "PERSEUS_ALLREDUCE_ALGORITHM";
   const char* text = Text(name);
@@ -126,12 +135,22 @@ Status ReadSettings(Settings* settings) {
   if (s.ok()) s = ReadCount("PERSEUS_CACHE_CAPACITY", &settings->cache_capacity);
   if (s.ok()) s = ReadHierarchical("PERSEUS_HIERARCHICAL_ALLREDUCE", &settings->hierarchical);
   if (s.ok()) s = ReadAllreduce(&settings->allreduce);
+  if (s.ok()) s = ReadFlag("PERSEUS_AUTOTUNE", &settings->autotune);
+  if (s.ok()) {
+    s = ReadCount("PERSEUS_AUTOTUNE_CYCLES_PER_SAMPLE", &settings->autotune_cycles_per_sample);
+  }
+  if (s.ok() && settings->autotune_cycles_per_sample < 1) {
+    s = Invalid("PERSEUS_AUTOTUNE_CYCLES_PER_SAMPLE", Text("PERSEUS_AUTOTUNE_CYCLES_PER_SAMPLE"),
+                "a count of at least 1");
+  }
   if (s.ok()) {
     s = ReadDebugFault("PERSEUS_DEBUG_FAULT", &settings->debug_fault, &settings->debug_fault_rank);
   }
   if (!s.ok()) return s;
   const char* timeline = Text("PERSEUS_TIMELINE");
   settings->timeline_path = timeline ? timeline : "";
+  const char* autotune_log = Text("PERSEUS_AUTOTUNE_LOG");
+  settings->autotune_log = autotune_log ? autotune_log : "";
   return Status::OK();
 }
 

@@ -16,8 +16,9 @@ namespace perseus {
 // wherever the transport offers it (Controller::local(), cross()): auto and 1 do, 0 never; 1
 // also makes rank 0 say at init when the layout does not allow it. At every size: from 64 KiB
 // it moved the same bytes in less time across emulated hosts, and below it the flat and the
-// hierarchical allreduce cost a few steps of latency alike (3 local and 2 cross-host ones
-// against 2 (N - 1) of a ring, or Open MPI's log2 N).
+// hierarchical allreduce cost a few steps of latency alike (3 local and, by recursive doubling
+// on 2 hosts, 1 cross-host one against 2 (N - 1) of a ring, or Open MPI's log2 N). The part
+// across hosts runs the algorithm `allreduce` below picks for its segment.
 enum class Hierarchical : uint8_t { kAuto = 0, kNever = 1, kAlways = 2 };
 
 // The value as the variable spells it: "auto", "0", "1" ("?" for anything else).
@@ -52,6 +53,14 @@ struct Settings {
   // PERSEUS_ALLREDUCE_ALGORITHM (auto, ring, halving_doubling, recursive_doubling) and the cost
   // model's PERSEUS_ALLREDUCE_HOP_LATENCY_US (alpha) and PERSEUS_ALLREDUCE_LINK_GBIT (1 / beta).
   AllreducePolicy allreduce;
+  // PERSEUS_AUTOTUNE (0 or 1): rank 0 searches the fusion threshold, the cycle time and the
+  // cost model's step latency during the first cycles (runtime/autotune.h); the other ranks
+  // follow its answers whatever theirs.
+  // Off by default: the search spends its first samples on worse values, and a run stays
+  // reproducible in its fused groups and pace unless asked.
+  bool autotune = false;
+  std::string autotune_log;          // PERSEUS_AUTOTUNE_LOG: rank 0's CSV of the samples
+  int autotune_cycles_per_sample = 10;  // PERSEUS_AUTOTUNE_CYCLES_PER_SAMPLE
   DebugFault debug_fault = DebugFault::kNone;           // PERSEUS_DEBUG_FAULT
   int debug_fault_rank = -1;
 };

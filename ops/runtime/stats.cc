@@ -24,6 +24,11 @@ std::vector<std::pair<std::string, int64_t>> RuntimeStats::Snapshot() const {
   out.emplace_back("hierarchical_allreduces", get(hierarchical_allreduces));
   out.emplace_back("pipelined_hierarchical_allreduces", get(pipelined_hierarchical_allreduces));
   out.emplace_back("single_rank_shortcuts", get(single_rank_shortcuts));
+  out.emplace_back("autotune.fusion_threshold_bytes", get(fusion_threshold_bytes));
+  out.emplace_back("autotune.cycle_time_us", get(cycle_time_us));
+  out.emplace_back("autotune.hop_latency_ns", get(hop_latency_ns));
+  out.emplace_back("autotune.changes", get(autotune_changes));
+  out.emplace_back("autotune.fixed", get(autotune_fixed));
   for (int i = 1; i < kAllreduceAlgorithms; ++i) {  // 0 is kAuto: never what ran
     out.emplace_back(
         std::string("allreduce_algorithms.") +

@@ -46,14 +46,27 @@ class RuntimeStats {
   std::atomic<int64_t> pipelined_hierarchical_allreduces{0};
   // collectives a one-rank job completed on the submitting thread, with no round (runtime.cc)
   std::atomic<int64_t> single_rank_shortcuts{0};
+  // Not counters: the fusion threshold, cycle time and cost model's step latency in force (set
+  // at init, changed by PERSEUS_AUTOTUNE's answers), how many such changes this rank applied,
+  // and whether the search has ended (1) with the values above fixed:
+  // "autotune.fusion_threshold_bytes", ...
+  std::atomic<int64_t> fusion_threshold_bytes{0};
+  std::atomic<int64_t> cycle_time_us{0};
+  std::atomic<int64_t> hop_latency_ns{0};
+  std::atomic<int64_t> autotune_changes{0};
+  std::atomic<int64_t> autotune_fixed{0};
 
-  // A flat allreduce (not hierarchical) ran `algorithm`: "allreduce_algorithms.ring", ...
+  // A flat allreduce, or a hierarchical one's part across hosts, ran `algorithm`:
+  // "allreduce_algorithms.ring", ... (kAuto: nothing ran, not counted).
   void AllreduceRan(AllreduceAlgorithm algorithm) {
     Add(allreduce_algorithms_[static_cast<int>(algorithm) % kAllreduceAlgorithms], 1);
   }
 
   static void Add(std::atomic<int64_t>& counter, int64_t n) {
     counter.fetch_add(n, std::memory_order_relaxed);
+  }
+  static void Set(std::atomic<int64_t>& value, int64_t n) {
+    value.store(n, std::memory_order_relaxed);
   }
 
   // Every counter by name: "tensors_submitted.allreduce", "cache_hits", ...

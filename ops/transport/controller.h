@@ -90,13 +90,16 @@ class Controller {
   virtual Controller* cross() { return nullptr; }
   // The hierarchical allreduce over local() and cross() (both non-null): a reduce-scatter among
   // this host's ranks, an allreduce of this rank's segment with the same segment of every other
-  // host (local_size rings at once, each on 1 / local_size of the data), then an allgather
+  // host (local_size allreduces at once, each on 1 / local_size of the data), then an allgather
   // among this host's ranks. Each host link carries 2 (H - 1) / H of the tensor for H hosts,
-  // where a flat ring over every rank carries 2 (N - 1) / N. `how` names what ran
-  // (kHierarchical: the three phases one after another, controller.cc; a transport may
-  // overlap them on slices of the tensor: kHierarchicalPipelined).
+  // where a flat ring over every rank carries 2 (N - 1) / N. The part across hosts is
+  // cross()->Allreduce: the algorithm cross()->AllreduceAlgorithmFor picks for the segment and
+  // the H hosts (at hundreds of hosts halving-doubling's 2 log2 H steps, not a ring's
+  // 2 (H - 1)); `across` receives it (kAuto: this rank's segment was empty, nothing ran). `how`
+  // names what ran (kHierarchical: the three phases one after another, controller.cc; a
+  // transport may overlap them on slices of the tensor: kHierarchicalPipelined).
   virtual Status HierarchicalAllreduce(const void* in, void* out, int64_t count, DataType dtype,
-                                       ReduceOp op, const char** how);
+                                       ReduceOp op, const char** how, AllreduceAlgorithm* across);
   static constexpr const char* kHierarchical = "hierarchical";
   static constexpr const char* kHierarchicalPipelined = "hierarchical_pipelined";
 

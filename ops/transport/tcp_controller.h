@@ -87,7 +87,8 @@ class TcpController : public Controller {
   Controller* local() override { return local_.get(); }
   Controller* cross() override { return cross_.get(); }
   Status HierarchicalAllreduce(const void* in, void* out, int64_t count, DataType dtype,
-                               ReduceOp op, const char** how) override;
+                               ReduceOp op, const char** how,
+                               AllreduceAlgorithm* across) override;
   // Over the data mesh's connections between `ranks`: no communication (tcp_process_set.cc).
   Status CreateProcessSet(const std::vector<int>& ranks, std::unique_ptr<Controller>* out) override;
 

@@ -26,6 +26,12 @@ constexpr size_t kPipelineMinBytes = 4 << 20;
 constexpr size_t kPipelineSliceBytes = 2 << 20;
 constexpr size_t kPipelineMaxSlices = 16;
 
+// How many slices PipelinedHierarchical cuts `bytes` into.
+int PipelineSlices(size_t bytes) {
+  return static_cast<int>(
+      std::min<size_t>(kPipelineMaxSlices, std::max<size_t>(2, bytes / kPipelineSliceBytes)));
+}
+
 }  // namespace
 
 Status TcpController::Streams(const std::vector<Lane>& lanes) {
@@ -311,12 +317,21 @@ TcpController::Lane TcpController::RingLane(const Group& group, const void* in, 
 }
 
 Status TcpController::HierarchicalAllreduce(const void* in, void* out, int64_t count,
-                                            DataType dtype, ReduceOp op, const char** how) {
-  // The choice depends only on the count and dtype, which every rank has alike.
-  if (static_cast<size_t>(count) * DataTypeSize(dtype) < kPipelineMinBytes) {
-    return Controller::HierarchicalAllreduce(in, out, count, dtype, op, how);
+                                            DataType dtype, ReduceOp op, const char** how,
+                                            AllreduceAlgorithm* across) {
+  // The pipeline's part across hosts is a ring on each slice's segment: it runs only where the
+  // cost model picks the ring for a segment of that size (not at hundreds of hosts, where
+  // halving-doubling's fewer steps win), else the phases take turns and the part across hosts
+  // runs the model's choice. The choice depends only on what every rank of the job has alike
+  // (the count, the dtype, the layout and the policy), so all of them take the same path.
+  const size_t bytes = static_cast<size_t>(count) * DataTypeSize(dtype);
+  const int64_t segment = count / PipelineSlices(bytes) / local_group_.size();
+  if (bytes < kPipelineMinBytes ||
+      GroupAlgorithm(cross_group_, segment, dtype) != AllreduceAlgorithm::kRing) {
+    return Controller::HierarchicalAllreduce(in, out, count, dtype, op, how, across);
   }
   *how = kHierarchicalPipelined;
+  *across = AllreduceAlgorithm::kRing;
   return PipelinedHierarchical(in, out, count, dtype, op);
 }
 
@@ -331,8 +346,7 @@ Status TcpController::PipelinedHierarchical(const void* in, void* out, int64_t c
   if (!failed_.ok()) return failed_;
   const size_t item = DataTypeSize(dtype);
   const size_t bytes = static_cast<size_t>(count) * item;
-  const int slices = static_cast<int>(
-      std::min<size_t>(kPipelineMaxSlices, std::max<size_t>(2, bytes / kPipelineSliceBytes)));
+  const int slices = PipelineSlices(bytes);
   const int local_size = local_group_.size(), me = local_group_.me;
   auto first = [&](int k) { return SegmentStart(count, slices, k); };
   auto at = [&](const void* base, int64_t element) {

@@ -222,8 +222,12 @@ def runtime_stats() -> dict:
     large tensor: docs/design.md),
     "single_rank_shortcuts" (allreduces and broadcasts of a one-rank job, which complete on the
     submitting thread with no negotiation, unless a timeline runs),
-    "allreduce_algorithms" (flat allreduce collectives by the algorithm that ran: "ring",
-    "halving_doubling", "recursive_doubling", "transport" for MPI's own; docs/design.md).
+    "allreduce_algorithms" (flat allreduce collectives, and the part across hosts of the
+    hierarchical ones, by the algorithm that ran: "ring", "halving_doubling",
+    "recursive_doubling", "transport" for MPI's own; docs/design.md),
+    "autotune" (not counters: "fusion_threshold_bytes", "cycle_time_us" and "hop_latency_ns" in
+    force, "changes" PERSEUS_AUTOTUNE made to them, "fixed": 1 once its search has ended;
+    docs/settings.md).
     """
     return dict(core().runtime_stats())
 

@@ -40,12 +40,13 @@ import tensorflow as tf
 from perseus_legacy.common import basics
 from perseus_legacy.common.basics import Average, Sum
 from perseus_legacy.estimator import _payload
-from perseus_legacy.estimator._gate import GATE as _GATE
 from perseus_legacy.estimator._run_config import (
     EVALUATOR_TIMEOUT_ENV,
     DistributedRunConfig,
     cluster_role,
 )
+from perseus_legacy.tf1.config import without_file_writers
+from perseus_legacy.tf1.gate import GATE as _GATE
 from perseus_legacy.tf1.hooks import BroadcastGlobalVariablesHook, SyncReplicasHook
 from perseus_legacy.tf_compat import estimator_api
 
@@ -188,10 +189,10 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
                         saving_listeners)
     chief = cluster_role().is_chief
     if not chief:
-        hooks = [_decided_on_rank_0(h) for h in _without_writers(hooks)]
-        worker_hooks[:] = _without_writers(worker_hooks)
+        hooks = [_decided_on_rank_0(h) for h in without_file_writers(hooks)]
+        worker_hooks[:] = without_file_writers(worker_hooks)
         estimator_spec = estimator_spec._replace(
-            training_hooks=tuple(_without_writers(estimator_spec.training_hooks)),
+            training_hooks=tuple(without_file_writers(estimator_spec.training_hooks)),
             training_chief_hooks=())
     given = list(worker_hooks) + list(hooks)
     sync_hook = next((h for h in given if isinstance(h, SyncReplicasHook)), None)
@@ -211,19 +212,6 @@ def _train_with_estimator_spec(original: Callable, self: Any, estimator_spec: An
     listeners = ([_BusyListener(listener, sync_hook) for listener in saving_listeners or ()]
                  if chief else [])
     return original(self, estimator_spec, worker_hooks, hooks, global_step_tensor, listeners)
-
-
-# Hooks that write files (checkpoints, summaries, step rates, profiles) into a directory they
-# were given: one process writes each file once, so of N ranks only rank 0 runs them. The
-# Estimator's own such hooks follow run_config() (rank 0 alone saves and summarises); these are
-# the ones a program gives to train(), its TrainSpec or its EstimatorSpec.
-_WRITER_HOOKS = (tf.compat.v1.train.CheckpointSaverHook, tf.compat.v1.train.SummarySaverHook,
-                 tf.compat.v1.train.StepCounterHook, tf.compat.v1.train.ProfilerHook)
-
-
-def _without_writers(hooks: Any) -> list:
-    """`hooks` without the file writers, which rank 0 alone runs (ranks other than 0)."""
-    return [h for h in hooks if not isinstance(h, _WRITER_HOOKS)]
 
 
 def _listeners_wait_for_rank_0(hooks: list, sync_hook: SyncReplicasHook) -> None:

@@ -58,3 +58,36 @@ def scale_steps(steps: int | None) -> int | None:
     if steps is None:
         return None
     return max(1, int(steps) // basics.size())
+
+
+# Hooks that write files (checkpoints, summaries, step rates, profiles) into a directory they
+# were given: one process writes each file once, so of N ranks only rank 0 runs them, in a
+# distributed Estimator (perseus_legacy.estimator) as in a distributed MonitoredSession
+# (perseus_legacy.tf_compat.monitored_writers).
+FILE_WRITING_HOOKS = (tf.compat.v1.train.CheckpointSaverHook, tf.compat.v1.train.SummarySaverHook,
+                      tf.compat.v1.train.StepCounterHook, tf.compat.v1.train.ProfilerHook)
+
+
+def without_file_writers(hooks: Any) -> list:
+    """`hooks` without the FILE_WRITING_HOOKS (what a rank other than 0 runs)."""
+    return [h for h in hooks if not isinstance(h, FILE_WRITING_HOOKS)]
+
+
+def hooks_of_this_rank(hooks: Any) -> Any:
+    """The hooks a MonitoredSession runs on this rank: on a rank other than 0 of a distributed
+    session (one of its hooks holds a stop agreement: SyncReplicasHook,
+    BroadcastGlobalVariablesHook), `hooks` without the file writers, which it names once;
+    elsewhere `hooks` itself."""
+    distributed = any(getattr(h, "stop_agreement", None) is not None for h in hooks or ())
+    if not distributed or basics.size() == 1 or basics.rank() == 0:
+        return hooks
+    kept = without_file_writers(hooks)
+    dropped = sorted({type(h).__name__ for h in hooks if isinstance(h, FILE_WRITING_HOOKS)})
+    if dropped and dropped != _named_last:
+        _named_last[:] = dropped
+        print(f"perseus_legacy[rank {basics.rank()}]: {', '.join(dropped)} run on rank 0 only "
+              "(one process writes each file once)", flush=True)
+    return kept
+
+
+_named_last: list = []  # the writer hooks this rank last said it leaves to rank 0

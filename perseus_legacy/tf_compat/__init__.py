@@ -28,6 +28,8 @@ from perseus_legacy.tf_compat import (
     estimator_wrappers,
     hooked_session,
     keras,
+    monitored_writers,
+    profiler_hook,
 )
 from perseus_legacy.tf_compat.estimator_api import TPUUnavailableError  # noqa: F401
 from perseus_legacy.tf_compat.keras import Keras3AlreadyBoundError  # noqa: F401
@@ -71,6 +73,10 @@ CHANGES: tuple[Change, ...] = (
            AT_IMPORT, keras.supply_keras_sessions),
     Change(hooked_session.TARGET, hooked_session.NECESSARY_SINCE, AT_IMPORT,
            hooked_session.agree_on_stopping),
+    Change(profiler_hook.TARGET, profiler_hook.NECESSARY_SINCE, AT_IMPORT,
+           profiler_hook.open_writer_on_first_use),
+    Change(monitored_writers.TARGET, monitored_writers.NECESSARY_SINCE, AT_IMPORT,
+           monitored_writers.rank_0_writes),
     *(Change(target, estimator_wrappers.NECESSARY_SINCE, AT_RUN_CONFIG, None)
       for target in estimator_wrappers.TARGETS),
 )

@@ -148,40 +148,47 @@ ENTRIES = [
        "export_saved_model linear_regressor", "signatures of an export"),
     # ---- hooks
     _e("SessionRunHook SessionRunArgs SessionRunContext SessionRunValues train:SessionRunHook",
-       STOPS, f"request_stop_rank0 {STOP_REQUESTS}",
+       STOPS, f"request_stop_rank0 hook_raises_on_one_rank {STOP_REQUESTS}",
        "the hook protocol (every case's capture hook uses it); a request_stop() on one rank "
-       "stops every rank after that step"),
+       "stops every rank after that step; an exception from its after_run on one rank is "
+       "raised by every rank after that step (the same class, built from its message)"),
     _e("SecondOrStepTimer", NOT_APPLICABLE, "logging_tensor_hook", "the hooks' timer"),
     _e("LoggingTensorHook train:LoggingTensorHook", EQUAL, "logging_tensor_hook",
        "rank 0 logs (the other ranks' INFO logs are dropped); a batch-dependent tensor holds "
        "rank 0's slice's value"),
-    _e("NanTensorHook train:NanTensorHook", EQUAL, "nan_tensor_hook",
-       "a NaN loss on every rank: every rank raises NanLossDuringTrainingError at its step"),
-    _e("NanLossDuringTrainingError", DIFFERS, "nan_on_one_rank",
-       "a NaN loss in one rank's slice only (one process: NaN in the global batch): that rank "
-       "raises it, the others fail with 'rank R shut down while perseus.gate.0 was pending', "
-       "not naming the NaN loss"),
-    _e("ProfilerHook train:ProfilerHook", DIFFERS, "profiler_hook",
-       "given to train() or in training_hooks, rank 0 alone runs it and writes its timelines, "
-       "but TensorFlow's constructor opens a summary writer: a rank other than 0 that builds "
-       "one leaves an empty events file in output_dir (build it on rank 0 only)"),
+    _e("NanTensorHook train:NanTensorHook", EQUAL, "nan_tensor_hook nan_stop_on_one_rank",
+       "a NaN loss on every rank: every rank raises NanLossDuringTrainingError at its step; "
+       "with fail_on_nan_loss=False (a MonitoredTrainingSession: an Estimator adds its own "
+       "NanTensorHook), a NaN loss on one rank stops every rank after that step"),
+    _e("NanLossDuringTrainingError", STOPS, "nan_on_one_rank",
+       "a NaN loss in one rank's slice only (one process: NaN in the global batch): every rank "
+       "raises it after that step, the other ranks with a note naming the rank and the global "
+       "step (an exception from any hook's after_run is raised on every rank so)"),
+    _e("ProfilerHook train:ProfilerHook", EQUAL, "profiler_hook",
+       "given to train() or in training_hooks, rank 0 alone runs it and writes its timelines; "
+       "built on another rank, it opens nothing (its summary writer opens when it begins)"),
     _e("FeedFnHook train:FeedFnHook", EQUAL, "feed_fn_hook", "fed on every rank"),
     _e("FinalOpsHook train:FinalOpsHook", EQUAL, "final_ops_hook",
        "every rank gets the final values"),
     _e("GlobalStepWaiterHook train:GlobalStepWaiterHook", EQUAL, "global_step_waiter_hook",
        "waits for the shared global step"),
-    _e("StepCounterHook train:StepCounterHook", EQUAL, "step_counter_hook",
-       "the Estimator's own one and one given to train() or in training_hooks: rank 0 alone "
-       "runs it and writes its summaries"),
-    _e("CheckpointSaverHook train:CheckpointSaverHook", EQUAL, "checkpoint_saver_hook",
-       "given to train(): rank 0 alone saves and runs its listeners (the others wait)"),
+    _e("StepCounterHook train:StepCounterHook", EQUAL, "step_counter_hook session_writer_hooks",
+       "the Estimator's own one and one given to train() or in training_hooks, or in a "
+       "MonitoredTrainingSession with SyncReplicasHook: rank 0 alone runs it and writes its "
+       "summaries"),
+    _e("CheckpointSaverHook train:CheckpointSaverHook", EQUAL,
+       "checkpoint_saver_hook session_writer_hooks",
+       "given to train(): rank 0 alone saves and runs its listeners (the others wait); in a "
+       "MonitoredTrainingSession with SyncReplicasHook (in hooks= or its checkpoint_dir's): "
+       "rank 0 alone saves"),
     _e("CheckpointSaverListener", EQUAL, f"{DIST}::test_train_and_evaluate_without_tf_config_"
        "evaluates_on_rank_0_for_every_rank checkpoint_saver_hook",
        "saving_listeners of train() run on rank 0 only"),
     _e("SummarySaverHook train:SummarySaverHook", EQUAL,
-       f"summary_saver_hook {SUMMARIES}::test_tf_summary_in_a_model_fn_is_written_by_rank_0_"
-       "only_with_the_numpy_losses", "the Estimator's own summaries and a SummarySaverHook "
-       "given to train() or in training_hooks: rank 0 alone writes them"),
+       f"summary_saver_hook session_writer_hooks {SUMMARIES}::test_tf_summary_in_a_model_fn_is_"
+       "written_by_rank_0_only_with_the_numpy_losses", "the Estimator's own summaries and a "
+       "SummarySaverHook given to train() or in training_hooks, or in a "
+       "MonitoredTrainingSession with SyncReplicasHook: rank 0 alone writes them"),
     _e("StopAtStepHook train:StopAtStepHook", EQUAL, "stop_at_step_hook",
        "the global step is the same on every rank"),
     _e("experimental.InMemoryEvaluatorHook", EQUAL, "in_memory_evaluator_hook",
@@ -201,10 +208,10 @@ ENTRIES = [
     _e("ModeKeys EstimatorSpec", NOT_APPLICABLE, "linear_regressor", "data types"),
 ]
 
-# Cases where one rank alone stops (a request_stop, a NaN loss in its slice only): run with the
-# STOPS cases, whatever their entry's outcome; nan_on_one_rank last (its other ranks fail once
-# the NaN rank has exited).
-STOP_CASES = ("request_stop_rank0", "nan_on_one_rank")
+# Cases where one rank alone stops or raises (a request_stop, a NaN loss in its slice only): run
+# with the STOPS cases, whatever their entry's outcome.
+STOP_CASES = ("request_stop_rank0", "nan_stop_on_one_rank", "nan_on_one_rank",
+              "hook_raises_on_one_rank")
 # Cases run on 3 ranks too: an odd count changes every slice and the gather of sparse rows.
 ODD_CASES = ("linear_classifier", "combined_classifier")
 # Cases run as TF_CONFIG tasks (chief, worker, evaluator), where the evaluator task changes

@@ -9,17 +9,23 @@ variables within rtol 1e-5, atol 1e-6 (float32 sums in another order), identical
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import json
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import ROOT, available, python_for, run_ranks, start
+from harness import (
+    ROOT,
+    LaunchPool,
+    available,
+    finish,
+    load_values,
+    python_for,
+    run_ranks,
+    start,
+)
 
 WORKER = "tests/workers/est_distributed.py"
 STEPS = 4  # est_distributed.STEPS
@@ -41,82 +47,57 @@ LAUNCHES = {
 }
 
 
+def run_reference(version: str, out: Path) -> tuple:
+    """The single-process reference's (record, variables)."""
+    [(code, log)] = finish([start(version, [ROOT / WORKER, out, "reference"])], LAUNCH_TIMEOUT)
+    assert code == 0, f"the single-process reference exited {code}:\n{log[-8000:]}"
+    return load(out, "reference")
+
+
+def run_launch(version: str, np_: int, out: Path) -> dict:
+    key = (version, np_)
+    # mpirun lives in .venv; TF 2.15's tf.keras is Keras 2 (no tf-keras there).
+    env = dict(LAUNCHES[key], PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}"
+               f"{os.environ.get('PATH', '')}")
+    if version == "tf215":
+        env["TF_USE_LEGACY_KERAS"] = "0"
+    proc = run_ranks(np_, WORKER, out, "distributed", SLOW_EVAL.get(key, 0),
+                     timeout=LAUNCH_TIMEOUT, env=env, python=python_for(version))
+    ranks = [load(out, f"rank{r}") for r in range(np_)]
+    return {"ranks": ranks, "output": proc.stdout, "env": LAUNCHES[key]}
+
+
 class Runs:
     """Every launch and the references, all started at once in the background (most of their
     time is spent waiting on each other's ranks, not computing); results per key."""
 
     def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="distributed_estimator_"))
-        self.references: dict = {}
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(LAUNCHES))
-        self.launches = {}
+        launches = {}
         for version, np_ in LAUNCHES:
             if available(version):  # a missing venv skips or fails its own tests
-                self.start_reference(version)
-                self.launches[version, np_] = self.pool.submit(self._launch, version, np_)
-
-    def start_reference(self, version: str) -> None:
-        if version not in self.references:
-            out = self.root / f"{version}_reference"
-            out.mkdir()
-            proc = start(version, [ROOT / WORKER, out, "reference"])
-            self.references[version] = (proc, out)
+                launches[f"{version}_reference"] = functools.partial(run_reference, version)
+                launches[f"{version}_np{np_}"] = functools.partial(run_launch, version, np_)
+        self.pool = LaunchPool("distributed_estimator_", launches)
 
     def reference(self, version: str) -> tuple:
         """The reference run's (record, variables)."""
-        proc, out = self.references[version]
-        if not isinstance(proc, subprocess.Popen):
-            return proc
-        try:
-            log, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            log, _ = proc.communicate()
-        if proc.returncode != 0:
-            pytest.fail(f"the single-process reference exited {proc.returncode}:\n{log[-8000:]}",
-                        pytrace=False)
-        self.references[version] = (load(out, "reference"), out)
-        return self.references[version][0]
-
-    def _launch(self, version: str, np_: int) -> dict:
-        key = (version, np_)
-        out = self.root / f"{version}_np{np_}"
-        out.mkdir()
-        # mpirun lives in .venv; TF 2.15's tf.keras is Keras 2 (no tf-keras there).
-        env = dict(LAUNCHES[key], PATH=f"{ROOT / '.venv' / 'bin'}{os.pathsep}"
-                   f"{os.environ.get('PATH', '')}")
-        if version == "tf215":
-            env["TF_USE_LEGACY_KERAS"] = "0"
-        proc = run_ranks(np_, WORKER, out, "distributed", SLOW_EVAL.get(key, 0),
-                         timeout=LAUNCH_TIMEOUT, env=env, python=python_for(version))
-        ranks = [load(out, f"rank{r}") for r in range(np_)]
-        return {"ranks": ranks, "output": proc.stdout, "env": LAUNCHES[key]}
+        return self.pool.result(f"{version}_reference")
 
     def launch(self, version: str, np_: int) -> dict:
         """Every rank's (record, variables) of the launch, with its output."""
         python_for(version)  # skips or fails, with the reason, when the venv is missing
-        return self.launches[version, np_].result()
-
-    def stop(self) -> None:
-        for proc, _ in self.references.values():
-            if isinstance(proc, subprocess.Popen) and proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        self.pool.shutdown(wait=True)  # every launch ends by its own timeout at the latest
-        shutil.rmtree(self.root, ignore_errors=True)
+        return self.pool.result(f"{version}_np{np_}")
 
 
 def load(out: Path, who: str) -> tuple:
-    record = json.loads((out / f"{who}.json").read_text())
-    with np.load(out / f"{who}.npz") as values:
-        return record, {k: values[k] for k in values.files}
+    return json.loads((out / f"{who}.json").read_text()), load_values(out / f"{who}.npz")
 
 
 @pytest.fixture(scope="module")
 def runs():
     result = Runs()
     yield result
-    result.stop()
+    result.pool.close()
 
 
 PARAMS = pytest.mark.parametrize("version,np_", list(LAUNCHES),

@@ -135,7 +135,7 @@ for piece, status in perseus_legacy.tf_compat.compat_report().items():
     patches = {k: v for k, v in report.items()
                if k not in ("tensorflow", "tensorflow-estimator", "tf-keras")
                and not k.startswith("tensorflow_estimator ")}
-    assert len(patches) == 11, report
+    assert len(patches) == 13, report
     assert set(patches.values()) == {"left alone (PERSEUS_NO_TF_PATCH=1)"}, report
 
 

@@ -11,6 +11,7 @@ in sequence, each in a fresh graph and model_dir:
 The tests compare each case's per-rank record with the reference's: "every" values on every rank
 (variables, steps: rtol 1e-5, atol 1e-6), "chief" values (metrics, predictions, exports, files
 written, logs) on rank 0; on the other ranks every "chief" value must be empty (nothing written).
+A hook's exception on one rank is also checked for what the other rank's error says.
 Besides, the matrix must classify exactly the public symbols of the installed TensorFlow, and
 docs/estimator.md's table must be the matrix's.
 """
@@ -18,12 +19,10 @@ docs/estimator.md's table must be the matrix's.
 from __future__ import annotations
 
 import ast
-import concurrent.futures
+import functools
 import json
 import re
-import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import estimator_surface as surface
@@ -31,8 +30,6 @@ import harness
 import numpy as np
 import pytest
 from harness import ROOT, VERSIONS, command, finish, start
-
-from perseusrun.tcp_run import free_local_ports
 
 WORKER = "tests/workers/est_surface.py"
 RTOL, ATOL = 1e-5, 1e-6  # float32 sums in another order
@@ -54,68 +51,36 @@ REFUSAL = {  # case -> what its error must say (the estimator or op, and why)
 }
 
 
-class Runs:
-    """Every launch and the reference, started at once; each one's records once it ended."""
+def run_reference(out: Path) -> dict:
+    proc = start("main", [ROOT / WORKER, out, "reference", ",".join(ALL_CASES)])
+    [(code, log)] = finish([proc], LAUNCH_TIMEOUT)
+    return {"records": [read(out, "reference")], "code": code, "log": log}
 
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="estimator_surface_"))
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(LAUNCHES) + 2)
-        self.futures = {"reference": self.pool.submit(self._reference)}
-        for name in LAUNCHES:
-            self.futures[name] = self.pool.submit(self._launch, name)
-        self.futures["tf_config"] = self.pool.submit(self._tf_config)
 
-    def _out(self, name: str) -> Path:
-        out = self.root / name
-        out.mkdir()
-        return out
+def run_launch(name: str, out: Path) -> dict:
+    ranks, cases, extra = LAUNCHES[name]
+    cmd = command(ranks, WORKER, (out, "distributed", ",".join(cases)), timeout=LAUNCH_TIMEOUT)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=harness.launch_env(extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    [(code, log)] = finish([proc], LAUNCH_TIMEOUT + 60)
+    return {"records": [read(out, f"rank{r}") for r in range(ranks)], "code": code, "log": log}
 
-    def _reference(self) -> dict:
-        out = self._out("reference")
-        proc = start("main", [ROOT / WORKER, out, "reference", ",".join(ALL_CASES)])
-        [(code, log)] = finish([proc], LAUNCH_TIMEOUT)
-        return {"records": [read(out, "reference")], "code": code, "log": log}
 
-    def _launch(self, name: str) -> dict:
-        ranks, cases, extra = LAUNCHES[name]
-        out = self._out(name)
-        cmd = command(ranks, WORKER, (out, "distributed", ",".join(cases)),
-                      timeout=LAUNCH_TIMEOUT)
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=harness.launch_env(extra),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
-        [(code, log)] = finish([proc], LAUNCH_TIMEOUT + 60)
-        return {"records": [read(out, f"rank{r}") for r in range(ranks)], "code": code,
-                "log": log}
-
-    def _tf_config(self) -> dict:
-        out = self._out("tf_config")
-        tasks = [("chief", 0), ("worker", 0), ("evaluator", 0)]
-        ports = iter(free_local_ports(len(tasks)))
-        cluster = {kind: [f"127.0.0.1:{next(ports)}"] for kind, _ in tasks}
-        procs, logs = [], []
-        for kind, index in tasks:
-            env = harness.task_env({"TF_CONFIG": json.dumps({"cluster": cluster, "task": {
-                "type": kind, "index": index}}), "PERSEUS_SECRET": SECRET,
-                "PERSEUS_START_TIMEOUT": "300"}, base=harness.matrix_env())
-            log = open(out / f"{kind}{index}.log", "w")  # a file: no pipe fills while waiting
-            procs.append(subprocess.Popen(
-                [str(ROOT / ".venv" / "bin" / "python"), str(ROOT / WORKER), str(out), "task",
-                 f"{kind}{index}", ",".join(surface.TF_CONFIG_CASES)],
-                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            logs.append(out / f"{kind}{index}.log")
-            log.close()
-        codes = harness.wait_all(procs, LAUNCH_TIMEOUT, stop_on_failure=True)
-        return {"records": {f"{k}{i}": read(out, f"{k}{i}") for k, i in tasks},
-                "code": max(codes, key=abs),
-                "log": "\n".join(f"--- {p.name}:\n{p.read_text()[-6000:]}" for p in logs)}
-
-    def result(self, name: str) -> dict:
-        return self.futures[name].result()
-
-    def stop(self) -> None:
-        self.pool.shutdown(wait=True)  # every launch ends by its own timeout at the latest
-        shutil.rmtree(self.root, ignore_errors=True)
+def run_tf_config(out: Path) -> dict:
+    tasks = [("chief", 0), ("worker", 0), ("evaluator", 0)]
+    cluster = harness.tf_config_cluster(tasks)
+    procs, logs = [], []
+    for kind, index in tasks:
+        env = harness.tf_config_env(cluster, kind, index, {
+            "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "300"}, base=harness.matrix_env())
+        logs.append(out / f"{kind}{index}.log")
+        procs.append(harness.start_logged(
+            [ROOT / ".venv" / "bin" / "python", ROOT / WORKER, out, "task", f"{kind}{index}",
+             ",".join(surface.TF_CONFIG_CASES)], logs[-1], env))
+    codes = harness.wait_all(procs, LAUNCH_TIMEOUT, stop_on_failure=True)
+    return {"records": {f"{k}{i}": read(out, f"{k}{i}") for k, i in tasks},
+            "code": max(codes, key=abs),
+            "log": "\n".join(f"--- {p.name}:\n{p.read_text()[-6000:]}" for p in logs)}
 
 
 def read(out: Path, who: str) -> dict:
@@ -125,9 +90,12 @@ def read(out: Path, who: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs():
-    result = Runs()
-    yield result
-    result.stop()
+    """Every launch and the reference, started at once; each one's records once it ended."""
+    pool = harness.LaunchPool("estimator_surface_", {
+        "reference": run_reference, "tf_config": run_tf_config,
+        **{name: functools.partial(run_launch, name) for name in LAUNCHES}})
+    yield pool
+    pool.close()
 
 
 def case_data(run: dict, case: str, who: str, record: dict) -> dict:
@@ -210,6 +178,23 @@ def test_every_rank_stops_after_the_step_one_process_stops_at(runs, case):
     """A stop decided on one rank only (or by a hook reading rank 0's model_dir) stops every
     rank after the same step as one process, with its variables."""
     assert_like_one_process(runs, "stops", case)
+
+
+@pytest.mark.parametrize("case, hook, error", [
+    ("nan_on_one_rank", "NanTensorHook", "NanLossDuringTrainingError"),
+    ("hook_raises_on_one_rank", "RaiseOn", "ValueError")])
+def test_a_hook_exception_on_one_rank_is_raised_by_every_rank_naming_that_rank_and_step(
+        runs, case, hook, error):
+    """The cases (equal to one process above) where rank 1's hook raises in after_run after
+    global step 3 (NaN in the batch of step index 2; a ValueError at step 3): rank 1 raises its
+    own error, rank 0 the same class, whose traceback names the hook, rank 1 and the step, not
+    a lost peer."""
+    run = runs.result("stops")
+    said = [case_data(run, case, f"rank {rank}", record)["said"]
+            for rank, record in enumerate(run["records"])]
+    assert re.search(rf"{error}: ", said[1]) and "perseus_legacy" not in said[1], said
+    assert re.search(rf"{error}: .*\n.*{hook}\.after_run raised {error} on rank 1 at global "
+                     r"step 3; every rank raises it", said[0]), said
 
 
 @pytest.mark.parametrize("case", surface.cases(surface.REFUSED))

@@ -13,20 +13,24 @@ a collective fail the launch quickly instead of hanging.
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
+import functools
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import ROOT, run_ranks, task_env, wait_all
-
-from perseusrun.tcp_run import free_local_ports
+from harness import (
+    ROOT,
+    LaunchPool,
+    load_values,
+    run_ranks,
+    start_logged,
+    task_env,
+    tf_config_cluster,
+    tf_config_env,
+    wait_all,
+)
 
 WORKER = "tests/workers/stop_requests.py"
 MAX_STEPS = 30  # stop_requests.MAX_STEPS
@@ -57,79 +61,48 @@ LOG = re.compile(r"perseus_legacy\[rank (\d+)\]: (\w+) on ranks? ([\d, ]+) reque
                  r"global step (\d+); every rank stops after this step")
 
 
-class Launches:
-    """The reference and every launch, started at once in the background; results per key."""
+def run_reference(out: Path) -> Path:
+    log = out / "reference.log"
+    proc = start_logged([sys.executable, ROOT / WORKER, out, out / "m", "reference", *EVERY], log,
+                        task_env())
+    assert wait_all([proc], TIMEOUT) == [0], log.read_text()[-8000:]
+    return out
 
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="stop_requests_"))
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(LAUNCHES) + 1)
-        self.reference = self.pool.submit(self._reference)
-        self.launches = {name: self.pool.submit(self._launch, name) for name in LAUNCHES}
 
-    def _dir(self, name: str) -> Path:
-        out = self.root / name
-        out.mkdir()
-        return out
-
-    def _reference(self) -> Path:
-        out = self._dir("reference")
-        log = out / "reference.log"
-        with open(log, "w") as stream:
-            proc = subprocess.Popen([sys.executable, str(ROOT / WORKER), str(out), str(out / "m"),
-                                     "reference", *EVERY], cwd=ROOT, env=task_env(),
-                                    stdout=stream, stderr=subprocess.STDOUT)
-        assert wait_all([proc], TIMEOUT) == [0], log.read_text()[-8000:]
-        return out
-
-    def _launch(self, name: str) -> tuple:
-        how, np_, cases = LAUNCHES[name]
-        out = self._dir(name)
-        if how == "perseusrun":
-            done = run_ranks(np_, WORKER, out, out / "m", "rank", *cases, timeout=TIMEOUT,
-                             env=STALL)
-            return out, {r: done.stdout for r in range(np_)}
-        tasks = [("chief", 0), ("worker", 0)]
-        if how == "tf_config_evaluator":
-            tasks.append(("evaluator", 0))
-        ports = iter(free_local_ports(len(tasks)))
-        cluster: dict = {}
-        for task_type, _ in tasks:
-            cluster.setdefault(task_type, []).append(f"127.0.0.1:{next(ports)}")
-        procs, logs = [], []
-        for task_type, index in tasks:
-            config = {"cluster": cluster, "task": {"type": task_type, "index": index}}
-            env = task_env({"TF_CONFIG": json.dumps(config), "PERSEUS_SECRET": SECRET,
-                            "PERSEUS_START_TIMEOUT": "240", **STALL})
-            mode = "evaluator" if task_type == "evaluator" else "rank"
-            logs.append(out / f"{task_type}.log")
-            with open(logs[-1], "w") as stream:
-                procs.append(subprocess.Popen(
-                    [sys.executable, str(ROOT / WORKER), str(out), str(out / "m"), mode, *cases],
-                    cwd=ROOT, env=env, stdout=stream, stderr=subprocess.STDOUT))
-        # The evaluator never ends by itself when early stopping stops training before
-        # max_steps (as with tf.estimator): it is ended once the ranks are done.
-        codes = wait_all(procs[:2], TIMEOUT)
-        wait_all(procs[2:], 0)
-        text = {r: logs[r].read_text() for r in range(2)}
-        assert codes == [0, 0], f"exit codes {codes}:\n" + "\n".join(
-            f"--- rank {r}:\n{t[-6000:]}" for r, t in text.items())
-        return out, text
-
-    def stop(self) -> None:
-        self.pool.shutdown(wait=True)  # every launch ends by its own deadline at the latest
-        shutil.rmtree(self.root, ignore_errors=True)
+def run_launch(name: str, out: Path) -> tuple:
+    how, np_, cases = LAUNCHES[name]
+    if how == "perseusrun":
+        done = run_ranks(np_, WORKER, out, out / "m", "rank", *cases, timeout=TIMEOUT, env=STALL)
+        return out, {r: done.stdout for r in range(np_)}
+    tasks = [("chief", 0), ("worker", 0)]
+    if how == "tf_config_evaluator":
+        tasks.append(("evaluator", 0))
+    cluster = tf_config_cluster(tasks)
+    procs, logs = [], []
+    for task_type, index in tasks:
+        env = tf_config_env(cluster, task_type, index, {
+            "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "240", **STALL})
+        mode = "evaluator" if task_type == "evaluator" else "rank"
+        logs.append(out / f"{task_type}.log")
+        procs.append(start_logged([sys.executable, ROOT / WORKER, out, out / "m", mode, *cases],
+                                  logs[-1], env))
+    # The evaluator never ends by itself when early stopping stops training before
+    # max_steps (as with tf.estimator): it is ended once the ranks are done.
+    codes = wait_all(procs[:2], TIMEOUT)
+    wait_all(procs[2:], 0)
+    text = {r: logs[r].read_text() for r in range(2)}
+    assert codes == [0, 0], f"exit codes {codes}:\n" + "\n".join(
+        f"--- rank {r}:\n{t[-6000:]}" for r, t in text.items())
+    return out, text
 
 
 @pytest.fixture(scope="module")
 def launches():
-    result = Launches()
-    yield result
-    result.stop()
-
-
-def load(path: Path) -> dict:
-    with np.load(path) as values:
-        return {k: values[k] for k in values.files}
+    """The reference and every launch, started at once in the background."""
+    pool = LaunchPool("stop_requests_", {"reference": run_reference, **{
+        name: functools.partial(run_launch, name) for name in LAUNCHES}})
+    yield pool
+    pool.close()
 
 
 CASES = [(name, case) for name, (_, _, cases) in LAUNCHES.items() for case in cases]
@@ -138,9 +111,9 @@ CASES = [(name, case) for name, (_, _, cases) in LAUNCHES.items() for case in ca
 @pytest.mark.parametrize("launch,case", CASES, ids=[f"{n}-{c}" for n, c in CASES])
 def test_every_rank_stops_after_the_same_step_as_one_process_and_logs_the_hook(launches, launch,
                                                                                case):
-    out, outputs = launches.launches[launch].result()
+    out, outputs = launches.result(launch)
     _, size, cases = LAUNCHES[launch]
-    ranks = [load(out / f"{case}.rank{r}.npz") for r in range(size)]
+    ranks = [load_values(out / f"{case}.rank{r}.npz") for r in range(size)]
     for rank, values in enumerate(ranks):
         for name in values:
             np.testing.assert_array_equal(values[name], ranks[0][name],
@@ -150,7 +123,7 @@ def test_every_rank_stops_after_the_same_step_as_one_process_and_logs_the_hook(l
     # then: when training stops depends on its pace, so only the agreement is checked.
     timed = launch == "tf_config_evaluator" and case == "early_stopping"
     if not timed:
-        expected = load(launches.reference.result() / f"{case}.reference.npz")
+        expected = load_values(launches.result("reference") / f"{case}.reference.npz")
         assert 0 < int(expected["global_step"]) < MAX_STEPS, "the reference did not stop early"
         assert step == int(expected["global_step"]), (step, int(expected["global_step"]))
         for name in expected:

@@ -11,27 +11,26 @@ variables and evaluation metrics within rtol 1e-5, atol 1e-6 (float32 sums in an
 
 from __future__ import annotations
 
-import concurrent.futures
+import functools
 import json
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from harness import (
     ROOT,
+    LaunchPool,
     assert_values_close,
     available,
     files_under,
+    load_values,
     matrix_env,
     python_for,
-    task_env,
+    start_logged,
+    tf_config_cluster,
+    tf_config_env,
     wait_all,
 )
-
-from perseusrun.tcp_run import free_local_ports
 
 WORKER = ROOT / "tests" / "workers" / "est_tf_config.py"
 STEPS = 6  # est_tf_config.STEPS
@@ -62,12 +61,46 @@ JOBS = {
 
 
 def job_env(version: str, cluster: dict, task_type: str, index: int, extra: dict) -> dict:
-    result = task_env({"TF_CONFIG": json.dumps({"cluster": cluster,
-                                                "task": {"type": task_type, "index": index}}),
-                       "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "300", **extra},
-                      base=matrix_env())
+    result = tf_config_env(cluster, task_type, index, {
+        "PERSEUS_SECRET": SECRET, "PERSEUS_START_TIMEOUT": "300", **extra}, base=matrix_env())
     if version == "tf215":
         result["TF_USE_LEGACY_KERAS"] = "0"  # TF 2.15's tf.keras is Keras 2 (no tf-keras there)
+    return result
+
+
+def run_reference(version: str, out: Path) -> dict:
+    log = out / "reference.log"
+    proc = start_logged([python_for(version), WORKER, out, out / "model", "reference"], log,
+                        matrix_env())
+    codes = wait_all([proc], JOB_TIMEOUT, stop_on_failure=True)
+    assert codes == [0], f"the reference exited {codes}:\n{log.read_text()[-8000:]}"
+    return {"record": json.loads((out / "reference.json").read_text()),
+            "variables": load_values(out / "reference.npz")}
+
+
+def run_job(name: str, out: Path) -> dict:
+    version, sizes, tasks, extra, ok = JOBS[name]
+    cluster = tf_config_cluster([(job, i) for job, n in sizes.items() for i in range(n)])
+    model_dir = out / "model"
+    procs = []
+    for task_type, index, max_steps in tasks:
+        who = f"{task_type}{index}"
+        procs.append(start_logged(
+            [python_for(version), WORKER, out, model_dir, "task", who, max_steps],
+            out / f"{who}.log", job_env(version, cluster, task_type, index, extra)))
+    codes = wait_all(procs, JOB_TIMEOUT, stop_on_failure=ok)
+    result = {"codes": {}, "outputs": {}, "records": {}, "variables": {},
+              "model_dir": model_dir, "cluster": cluster}
+    for (task_type, index, _), code in zip(tasks, codes):
+        who = f"{task_type}{index}"
+        result["codes"][who] = code
+        result["outputs"][who] = (out / f"{who}.log").read_text()
+        if (out / f"{who}.json").exists():
+            result["records"][who] = json.loads((out / f"{who}.json").read_text())
+        if (out / f"{who}.npz").exists():
+            result["variables"][who] = load_values(out / f"{who}.npz")
+    result["everything"] = "\n".join(f"--- {who} exited {result['codes'][who]}:\n{text}"
+                                     for who, text in result["outputs"].items())
     return result
 
 
@@ -75,84 +108,25 @@ class Jobs:
     """Every job and reference, started at once; results per job."""
 
     def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="tf_config_estimator_"))
-        versions = {spec[0] for spec in JOBS.values() if available(spec[0])}
-        ports = iter(free_local_ports(sum(sum(spec[1].values()) for spec in JOBS.values())))
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(JOBS) + len(versions))
-        self.references = {v: self.pool.submit(self._reference, v) for v in sorted(versions)}
-        self.jobs = {}
-        for name, (version, sizes, tasks, extra, ok) in JOBS.items():
-            cluster = {job: [f"127.0.0.1:{next(ports)}" for _ in range(n)]
-                       for job, n in sizes.items()}
-            if available(version):
-                self.jobs[name] = self.pool.submit(self._job, name, version, cluster, tasks,
-                                                   extra, ok)
-
-    def _start(self, version: str, out: Path, args: list, who: str,
-               task_env_: dict | None = None) -> tuple:
-        log = open(out / f"{who}.log", "w")  # a file: no pipe to fill while others run
-        proc = subprocess.Popen([python_for(version), str(WORKER), str(out), *map(str, args)],
-                                cwd=ROOT, env=task_env_ or matrix_env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        log.close()
-        return proc, out / f"{who}.log"
-
-    def _reference(self, version: str) -> dict:
-        out = self.root / f"{version}_reference"
-        out.mkdir()
-        proc, log = self._start(version, out, [out / "model", "reference"], "reference")
-        codes = wait_all([proc], JOB_TIMEOUT, stop_on_failure=True)
-        assert codes == [0], f"the reference exited {codes}:\n{log.read_text()[-8000:]}"
-        with np.load(out / "reference.npz") as values:
-            variables = {k: values[k] for k in values.files}
-        return {"record": json.loads((out / "reference.json").read_text()),
-                "variables": variables}
-
-    def _job(self, name: str, version: str, cluster: dict, tasks: list, extra: dict,
-             ok: bool) -> dict:
-        out = self.root / name
-        out.mkdir()
-        model_dir = out / "model"
-        procs, logs = [], []
-        for task_type, index, max_steps in tasks:
-            who = f"{task_type}{index}"
-            proc, log = self._start(version, out, [model_dir, "task", who, max_steps], who,
-                                    job_env(version, cluster, task_type, index, extra))
-            procs.append(proc)
-            logs.append(log)
-        codes = wait_all(procs, JOB_TIMEOUT, stop_on_failure=ok)
-        result = {"codes": {}, "outputs": {}, "records": {}, "variables": {},
-                  "model_dir": model_dir, "cluster": cluster}
-        for (task_type, index, _), code, log in zip(tasks, codes, logs):
-            who = f"{task_type}{index}"
-            result["codes"][who] = code
-            result["outputs"][who] = log.read_text()
-            if (out / f"{who}.json").exists():
-                result["records"][who] = json.loads((out / f"{who}.json").read_text())
-            if (out / f"{who}.npz").exists():
-                with np.load(out / f"{who}.npz") as values:
-                    result["variables"][who] = {k: values[k] for k in values.files}
-        result["everything"] = "\n".join(f"--- {who} exited {result['codes'][who]}:\n{text}"
-                                         for who, text in result["outputs"].items())
-        return result
+        versions = sorted({spec[0] for spec in JOBS.values() if available(spec[0])})
+        launches = {f"{v}_reference": functools.partial(run_reference, v) for v in versions}
+        launches.update({name: functools.partial(run_job, name) for name, spec in JOBS.items()
+                         if available(spec[0])})
+        self.pool = LaunchPool("tf_config_estimator_", launches)
 
     def job(self, name: str) -> dict:
         python_for(JOBS[name][0])  # skips or fails, with the reason, when the venv is missing
-        return self.jobs[name].result()
+        return self.pool.result(name)
 
     def reference(self, version: str) -> dict:
-        return self.references[version].result()
-
-    def stop(self) -> None:
-        self.pool.shutdown(wait=True)  # every job ends by its own deadline at the latest
-        shutil.rmtree(self.root, ignore_errors=True)
+        return self.pool.result(f"{version}_reference")
 
 
 @pytest.fixture(scope="module")
 def jobs():
     result = Jobs()
     yield result
-    result.stop()
+    result.pool.close()
 
 
 @pytest.mark.parametrize("name", ["main", "tf215"])

@@ -14,10 +14,20 @@ from __future__ import annotations
 
 import zlib
 
-import core_collectives as cc
 import ml_dtypes
 import numpy as np
-from worker_util import assert_close, fail, rank_data
+from worker_util import (
+    AVERAGE,
+    MAX,
+    MIN,
+    PRODUCT,
+    SUM,
+    assert_close,
+    expected_reduce,
+    fail,
+    rank_data,
+    tolerance,
+)
 
 from perseus_legacy import _core
 from perseus_legacy.common import basics, process_sets
@@ -25,10 +35,10 @@ from perseus_legacy.common import basics, process_sets
 # Elements: 1 and 3 (fewer than the ranks: empty halves and segments), then across the cut-overs
 # of the cost model that the test sets (PERSEUS_ALLREDUCE_HOP_LATENCY_US).
 SIZES = (1, 3, 100, 1000, 5000)
-COMBOS = (("float32", cc.SUM), ("float64", cc.AVERAGE), ("int32", cc.MIN), ("float16", cc.SUM),
-          (ml_dtypes.bfloat16, cc.MAX), ("float64", cc.PRODUCT), ("int64", cc.SUM),
-          ("uint8", cc.MAX), ("int16", cc.AVERAGE), ("float32", cc.PRODUCT), ("int8", cc.MIN),
-          ("float16", cc.AVERAGE), ("uint16", cc.SUM))
+COMBOS = (("float32", SUM), ("float64", AVERAGE), ("int32", MIN), ("float16", SUM),
+          (ml_dtypes.bfloat16, MAX), ("float64", PRODUCT), ("int64", SUM),
+          ("uint8", MAX), ("int16", AVERAGE), ("float32", PRODUCT), ("int8", MIN),
+          ("float16", AVERAGE), ("uint16", SUM))
 
 
 def algorithms_ran() -> dict:
@@ -51,9 +61,9 @@ def main() -> None:
                 got = _core.allreduce(data[rank], f"alg.{n}.{i}", op=op, process_set_id=set_id)
                 after = algorithms_ran()
                 ran = [name for name in after if after[name] != before[name]]
-                expected = cc.expected_reduce(data, op, dtype)
+                expected = expected_reduce(data, op, dtype)
                 assert_close(rank, f"{n} ranks, {count} x {np.dtype(dtype).name} op {op}", got,
-                             expected, **cc.tolerance(dtype))
+                             expected, **tolerance(dtype))
                 if len(ran) != 1:
                     fail(rank, f"{n} ranks, {count} elements: algorithm counters moved: {ran}")
                 digests[n, i] = zlib.crc32(np.ascontiguousarray(got).tobytes())

@@ -12,44 +12,25 @@ import threading
 
 import ml_dtypes
 import numpy as np
-from worker_util import assert_close, fail, launcher_rank, rank_data, run_cases, wanted_cases
+from worker_util import (
+    AVERAGE,
+    NUMERIC,
+    OPS,
+    SUM,
+    assert_close,
+    expected_reduce,
+    fail,
+    launcher_rank,
+    rank_data,
+    run_cases,
+    tolerance,
+    wanted_cases,
+)
 
 from perseus_legacy import _core
 from perseus_legacy.common import basics, tf_config
 
 CONTROLLER = tf_config.controller_from_env()  # "mpi", or "tcp" under perseusrun --tcp
-
-AVERAGE, SUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4
-OPS = {"average": AVERAGE, "sum": SUM, "min": MIN, "max": MAX, "product": PRODUCT}
-NUMERIC = ["float16", ml_dtypes.bfloat16, "float32", "float64", "int32", "int64", "uint8", "int8",
-           "int16", "uint16"]
-
-
-def tolerance(dtype) -> dict:
-    name = np.dtype(dtype).name
-    return {"float16": {"rtol": 1e-2}, "bfloat16": {"rtol": 4e-2}}.get(name, {"rtol": 1e-6})
-
-
-def expected_reduce(arrays: list, op: int, dtype, prescale: float = 1.0,
-                    postscale: float = 1.0) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    integer = dtype.kind in "iu"
-    wide = [a.astype(np.int64 if integer else np.float64) for a in arrays]
-    if prescale != 1.0:
-        wide = [w * prescale for w in wide]
-    stacked = np.stack(wide)
-    if op in (AVERAGE, SUM):
-        result = stacked.sum(axis=0)
-    elif op == MIN:
-        result = stacked.min(axis=0)
-    elif op == MAX:
-        result = stacked.max(axis=0)
-    else:
-        result = np.prod(stacked, axis=0)
-    if op == AVERAGE:
-        # Integer averages truncate toward zero after the sum (documented in reduce.h).
-        result = np.trunc(result / len(arrays)) if integer else result / len(arrays)
-    return (result * postscale).astype(dtype)
 
 
 def check_before_init() -> None:

@@ -5,8 +5,9 @@ Usage: est_surface.py OUT_DIR distributed CASE[,CASE...]   (every rank, perseusr
        est_surface.py OUT_DIR reference CASE[,CASE...]     (one plain process, global batch)
        est_surface.py OUT_DIR task WHO CASE[,CASE...]      (a TF_CONFIG task; TF_CONFIG set)
 
-Each case builds its Estimator in a fresh graph and model_dir, uses the symbol the way its own
-documentation does, and returns what the pytest side compares with the reference:
+Each case builds its Estimator (a few: a MonitoredTrainingSession, in_session()) in a fresh graph
+and model_dir, uses the symbol the way its own documentation does, and returns what the pytest
+side compares with the reference:
   every   - what every rank must hold exactly as the reference (variables, global steps, the
             error a rank raised, ...): compared on every rank
   chief   - what rank 0 alone produces (metrics, predictions, exports, files written): compared
@@ -461,20 +462,22 @@ def logging_tensor_case(proc: Process) -> dict:
 
 
 def nan_tensor_case(rank: int | None):
-    """NaN in step 2's batch: on every rank's slice (rank None), or on `rank`'s only."""
+    """NaN in step 2's batch (global step 3): on every rank's slice (rank None), or on `rank`'s
+    only. "said": the exception as its traceback ends."""
     def case(proc: Process) -> dict:
         est = linear_estimator(proc, "model", {"training_hooks": lambda t: [
             tf.compat.v1.train.NanTensorHook(t["loss"], fail_on_nan_loss=True)]})
         capture = Capture()
+        raised = said = None
         try:
             est.train(train_input_fn(proc, "value", nan_at=(2, rank)), max_steps=STEPS,
                       hooks=[capture])
-            raised = None
         except tf.compat.v1.estimator.NanLossDuringTrainingError as exc:
             raised = type(exc).__name__
-        return with_files(proc, {"every": {"raised": raised},
-                                 "chief": {"checkpoint_step": checkpoint_step(est)}},
-                          "model", est)
+            said = "".join(traceback.format_exception_only(exc))
+        return with_files(proc, {"every": dict(capture.record, raised=raised),
+                                 "chief": {"checkpoint_step": checkpoint_step(est)},
+                                 "said": said}, "model", est)
     return case
 
 
@@ -573,6 +576,62 @@ def checkpoint_saver_case(proc: Process) -> dict:
     result["chief"]["train_listener"] = train_listener.calls
     result["chief"]["saver_files"] = written(proc.dir("saver"))
     return with_files(proc, result, "model", est)
+
+
+def in_session(proc: Process, make_hooks, nan_at: tuple | None = None, **settings) -> dict:
+    """The linear model trained for STEPS steps by a MonitoredTrainingSession (no Estimator)
+    with the hooks made by make_hooks(tensors), and SyncReplicasHook first on the ranks;
+    `settings`: the session's. Returns the Capture record."""
+    with tf.Graph().as_default():
+        tf.compat.v1.set_random_seed(SEED)
+        features, labels = tf.compat.v1.data.make_one_shot_iterator(
+            train_input_fn(proc, "value", nan_at=nan_at)()).get_next()
+        tensors = {}
+        spec = linear_model_fn(features, labels, tf.estimator.ModeKeys.TRAIN, {
+            "training_hooks": lambda t: tensors.update(t) or []})
+        capture = Capture()
+        hooks = [*make_hooks(tensors), tf.compat.v1.train.StopAtStepHook(last_step=STEPS),
+                 capture]
+        if proc.distributed:
+            hooks.insert(0, pl.SyncReplicasHook())
+        settings.setdefault("log_step_count_steps", None)
+        settings.setdefault("save_summaries_steps", None)
+        with tf.compat.v1.train.MonitoredTrainingSession(
+                hooks=hooks, config=tf.compat.v1.ConfigProto(
+                    intra_op_parallelism_threads=1, inter_op_parallelism_threads=1),
+                **settings) as session:
+            while not session.should_stop():
+                session.run(spec.train_op)
+    tf.compat.v1.summary.FileWriterCache.clear()  # every event file whole, as at exit
+    return capture.record
+
+
+def session_writer_hooks_case(proc: Process) -> dict:
+    """MonitoredTrainingSession given a checkpoint_dir (every rank the same path of its view,
+    not pl.checkpoint_dir()) and, in hooks=, CheckpointSaverHook, SummarySaverHook and
+    StepCounterHook with their own directories."""
+    def make(t):
+        w0 = tf.compat.v1.summary.scalar("w0", t["w"][0, 0])
+        return [tf.compat.v1.train.CheckpointSaverHook(proc.dir("saver"), save_steps=1),
+                tf.compat.v1.train.SummarySaverHook(save_steps=1, summary_op=w0,
+                                                    output_dir=proc.dir("summaries")),
+                tf.compat.v1.train.StepCounterHook(every_n_steps=1,
+                                                   output_dir=proc.dir("steps"))]
+    record = in_session(proc, make, checkpoint_dir=proc.dir("session"), save_checkpoint_steps=2,
+                        save_summaries_steps=1, log_step_count_steps=1)
+    result = {"every": record, "chief": {
+        "summaries": event_steps(proc.dir("summaries"), values=True),
+        "session_summaries": event_steps(proc.dir("session"), values=True).get("w0", {}),
+        "steps": event_steps(proc.dir("steps"))}}
+    return with_files(proc, result, "")
+
+
+def nan_stop_case(proc: Process) -> dict:
+    """NanTensorHook(fail_on_nan_loss=False) in a MonitoredTrainingSession (an Estimator adds
+    its own failing one): NaN in step 2's batch, on rank 1's slice only; it requests a stop."""
+    record = in_session(proc, lambda t: [tf.compat.v1.train.NanTensorHook(
+        t["loss"], fail_on_nan_loss=False)], nan_at=(2, 1))
+    return {"every": record}
 
 
 def summary_saver_case(proc: Process) -> dict:
@@ -720,7 +779,46 @@ class StopOn(tf.compat.v1.train.SessionRunHook):
 
     def after_run(self, run_context, run_values):
         if self._here and run_values.results + 1 >= self._step:
-            run_context.request_stop()
+            self.act(run_context)
+
+    def act(self, run_context) -> None:
+        run_context.request_stop()
+
+
+class StepSeen(tf.compat.v1.train.SessionRunHook):
+    """The global step after the last step whose after_run reached it (listed first: every
+    rank's, the one a hook raised in included)."""
+
+    def __init__(self) -> None:
+        self.step = None
+
+    def before_run(self, run_context):
+        return tf.compat.v1.train.SessionRunArgs(tf.compat.v1.train.get_global_step())
+
+    def after_run(self, run_context, run_values):
+        self.step = int(run_values.results) + 1
+
+
+class RaiseOn(StopOn):
+    """Raises a ValueError in after_run at global step `step` on rank `rank` only (the
+    reference: always)."""
+
+    def act(self, run_context) -> None:
+        raise ValueError(f"a bad value after global step {self._step}")
+
+
+def hook_raises_case(proc: Process) -> dict:
+    """A hook of a MonitoredTrainingSession raises a ValueError in its after_run, on rank 1
+    only, at global step 3."""
+    seen = StepSeen()
+    raised = message = said = None
+    try:
+        in_session(proc, lambda t: [seen, RaiseOn(proc, 1, 3)])
+    except ValueError as exc:
+        raised, message = type(exc).__name__, str(exc)
+        said = "".join(traceback.format_exception_only(exc))
+    return {"every": {"raised": raised, "message": message, "last_step": seen.step},
+            "said": said}
 
 
 def request_stop_case(rank: int):
@@ -818,6 +916,7 @@ CASES = {
     "step_counter_hook": step_counter_case,
     "checkpoint_saver_hook": checkpoint_saver_case,
     "summary_saver_hook": summary_saver_case,
+    "session_writer_hooks": session_writer_hooks_case,
     "stop_at_step_hook": stop_at_step_case,
     "in_memory_evaluator_hook": in_memory_evaluator_case,
     "export_saved_model": export_saved_model_case,
@@ -828,6 +927,8 @@ CASES = {
     "stop_if_no_increase": early_stopping_case("stop_if_no_increase_hook", "mae", 0),
     "make_early_stopping_hook": make_early_stopping_case,
     "request_stop_rank0": request_stop_case(0),
+    "nan_stop_on_one_rank": nan_stop_case,
+    "hook_raises_on_one_rank": hook_raises_case,
     "nan_on_one_rank": nan_tensor_case(1),
     # refused before training
     "kmeans": refused(kmeans),

@@ -12,7 +12,7 @@ import time
 
 from perseus_legacy import _core
 from perseus_legacy.common import basics
-from perseus_legacy.estimator._gate import ChiefGate
+from perseus_legacy.tf1.gate import ChiefGate
 
 
 def main() -> None:

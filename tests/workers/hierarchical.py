@@ -1,11 +1,13 @@
 """The hierarchical allreduce on emulated hosts: allreduces of every op and dtype, odd sizes,
 scaling, large tensors (pipelined over TCP), fused groups and a process set checked against
 numpy, and which algorithm ran, as the runtime counts it (runtime_stats) and the timeline
-records it.
+records it, the cost model's choice for the part across hosts included.
 
 Usage: hierarchical.py EXPECT [TIMELINE]
-  EXPECT: "hierarchical" (every allreduce of the global set runs hierarchically), or "flat"
-  (none does: fewer checks); TIMELINE: a path prefix for this run's timeline files.
+  EXPECT: "hierarchical" (every allreduce of the global set runs hierarchically),
+  "hierarchical-quick" (the same with fewer dtypes and large tensors, for launches of many
+  ranks), or "flat" (none does: fewer checks); TIMELINE: a path prefix for this run's timeline
+  files.
 "mismatch" instead of EXPECT: rank 1 sets PERSEUS_HIERARCHICAL_ALLREDUCE=0, the others 1, and
 every rank must fail init() saying so; "bad-value": the setting is "yes", which init() refuses.
 """
@@ -16,13 +18,27 @@ import json
 import os
 import sys
 
-import core_collectives as cc
 import ml_dtypes
 import numpy as np
-from worker_util import assert_close, fail, rank_data
+from worker_util import (
+    AVERAGE,
+    MAX,
+    MIN,
+    NUMERIC,
+    OPS,
+    PRODUCT,
+    SUM,
+    assert_close,
+    expected_reduce,
+    fail,
+    init_core,
+    load_core,
+    rank_data,
+    tolerance,
+)
 
-from perseus_legacy import _core
-from perseus_legacy.common import basics, process_sets, tf_config
+_core = load_core()
+CONTROLLER = "tcp" if "PERSEUS_TCP_RANK" in os.environ else "mpi"  # what init_core picks
 
 # Smaller than the 4 ranks, not divisible by 2 (ranks per host) or 4, and one of ~1 MiB + 7
 # elements, whose segments MPI moves in its ring's chunks.
@@ -36,47 +52,48 @@ def counters() -> tuple:
             stats["pipelined_hierarchical_allreduces"])
 
 
-def check_every_op_and_dtype(rank: int, size: int) -> None:
-    for dtype in cc.NUMERIC:
-        for op_name, op in cc.OPS.items():
+def check_every_op_and_dtype(rank: int, size: int, quick: bool) -> None:
+    for dtype in (["float32", "int32"] if quick else NUMERIC):
+        for op_name, op in OPS.items():
             for count in ODD_COUNTS:
                 name = f"h.{np.dtype(dtype).name}.{op_name}.{count}"
                 data = [rank_data(r, (count,), dtype, seed=op * 10 + count % 7)
                         for r in range(size)]
                 got = _core.allreduce(data[rank], name, op=op)
-                assert_close(rank, name, got, cc.expected_reduce(data, op, dtype),
-                             **cc.tolerance(dtype))
+                assert_close(rank, name, got, expected_reduce(data, op, dtype),
+                             **tolerance(dtype))
 
 
-def check_large_and_scaled(rank: int, size: int) -> None:
-    cases = [("float32", cc.AVERAGE, 2.0, 1.0), ("float16", cc.SUM, 0.25, 2.0),
-             (ml_dtypes.bfloat16, cc.MIN, 1.0, 1.0), ("int32", cc.PRODUCT, 1.0, 1.0),
-             ("int64", cc.AVERAGE, 3.0, 0.5), ("float64", cc.MAX, 1.0, 4.0)]
-    for i, (dtype, op, pre, post) in enumerate(cases):
+def check_large_and_scaled(rank: int, size: int, quick: bool) -> None:
+    cases = [("float32", AVERAGE, 2.0, 1.0), ("float16", SUM, 0.25, 2.0),
+             (ml_dtypes.bfloat16, MIN, 1.0, 1.0), ("int32", PRODUCT, 1.0, 1.0),
+             ("int64", AVERAGE, 3.0, 0.5), ("float64", MAX, 1.0, 4.0)]
+    for i, (dtype, op, pre, post) in enumerate(cases[:2] if quick else cases):
         name = f"h.large.{i}"
         data = [rank_data(r, (LARGE,), dtype, seed=60 + i) for r in range(size)]
         got = _core.allreduce(data[rank], name, op=op, prescale_factor=pre,
                               postscale_factor=post)
-        assert_close(rank, name, got, cc.expected_reduce(data, op, dtype, pre, post),
-                     **cc.tolerance(dtype))
+        assert_close(rank, name, got, expected_reduce(data, op, dtype, pre, post),
+                     **tolerance(dtype))
         if not np.array_equal(data[rank], rank_data(rank, (LARGE,), dtype, seed=60 + i)):
             fail(rank, f"{name}: the allreduce modified its input")
     # In place, and every rank with the same bits (each element is reduced on one rank only).
     data = [rank_data(r, (LARGE,), "float32", seed=70) for r in range(size)]
     mine = data[rank].copy()
-    _core.allreduce(mine, "h.inplace", op=cc.SUM, out=mine)
-    assert_close(rank, "h.inplace", mine, cc.expected_reduce(data, cc.SUM, "float32"), rtol=1e-5)
+    _core.allreduce(mine, "h.inplace", op=SUM, out=mine)
+    assert_close(rank, "h.inplace", mine, expected_reduce(data, SUM, "float32"), rtol=1e-5)
     everyone = _core.allgather(mine[None, :], "h.inplace.bits")
     if not all(np.array_equal(row.view(np.uint32), mine.view(np.uint32)) for row in everyone):
         fail(rank, "h.inplace: ranks ended with different bits")
 
 
-def check_pipelined(rank: int, size: int) -> int:
+def check_pipelined(rank: int, size: int, quick: bool) -> int:
     """Tensors from 4 MiB, whose phases overlap on slices over TCP: odd counts, so that slices
     and segments are uneven. Returns how many ran."""
-    cases = [("float32", cc.AVERAGE, 0.5, 3.0, (9 << 18) + 13, False),
-             ("float64", cc.MAX, 1.0, 1.0, (1 << 19) + 5, True),
-             ("int32", cc.SUM, 1.0, 1.0, (3 << 20) + 1, False)]
+    cases = [("float64", MAX, 1.0, 1.0, (1 << 19) + 5, True),
+             ("float32", AVERAGE, 0.5, 3.0, (9 << 18) + 13, False),
+             ("int32", SUM, 1.0, 1.0, (3 << 20) + 1, False)]
+    cases = cases[:1] if quick else cases
     for i, (dtype, op, pre, post, count, in_place) in enumerate(cases):
         name = f"h.pipelined.{i}"
         data = [rank_data(r, (count,), dtype, seed=100 + i) for r in range(size)]
@@ -84,19 +101,48 @@ def check_pipelined(rank: int, size: int) -> int:
         place = {"out": mine} if in_place else {}
         got = _core.allreduce(mine, name, op=op, prescale_factor=pre, postscale_factor=post,
                               **place)
-        assert_close(rank, name, got, cc.expected_reduce(data, op, dtype, pre, post),
-                     **cc.tolerance(dtype))
+        assert_close(rank, name, got, expected_reduce(data, op, dtype, pre, post),
+                     **tolerance(dtype))
         everyone = _core.allgather(got[None, :], f"{name}.bits")
         if not all(np.array_equal(row, got) for row in everyone):
             fail(rank, f"{name}: ranks ended with different values")
     return len(cases)
 
 
+# Bytes of each rank's segment (its 1 / local_size of the tensor) that the part across hosts
+# reduces, and what the runtime counts for it on 2 hosts under the default cost model
+# (docs/design.md, "Transports": recursive doubling below about 195 KB on 2 ranks, the ring
+# above; over MPI, Open MPI's own below 64 KiB).
+CROSS_SEGMENTS = {4096: {"tcp": "recursive_doubling", "mpi": "transport"},
+                  96 << 10: {"tcp": "recursive_doubling", "mpi": "recursive_doubling"},
+                  512 << 10: {"tcp": "ring", "mpi": "ring"}}
+
+
+def check_cross_algorithms(rank: int, size: int) -> None:
+    """The part across hosts runs the cost model's choice for its segment, counted in
+    runtime_stats()["allreduce_algorithms"] (one count per hierarchical allreduce)."""
+    if _core.cross_size() != 2:
+        fail(rank, f"the expectations are for 2 hosts, not {_core.cross_size()}")
+    for segment_bytes, expected in CROSS_SEGMENTS.items():
+        count = segment_bytes // 4 * _core.local_size()  # every segment of the same size
+        name = f"h.cross.{segment_bytes}"
+        data = [rank_data(r, (count,), "float32", seed=segment_bytes % 97) for r in range(size)]
+        before = dict(_core.runtime_stats()["allreduce_algorithms"])
+        got = _core.allreduce(data[rank], name, op=SUM)
+        after = dict(_core.runtime_stats()["allreduce_algorithms"])
+        assert_close(rank, name, got, expected_reduce(data, SUM, "float32"), rtol=1e-5)
+        ran = {algorithm: after[algorithm] - before[algorithm] for algorithm in after
+               if after[algorithm] != before[algorithm]}
+        if ran != {expected[CONTROLLER]: 1}:
+            fail(rank, f"{name}: a {segment_bytes}-byte segment across hosts counted {ran}, "
+                       f"expected {{{expected[CONTROLLER]!r}: 1}}")
+
+
 def check_fused(rank: int, size: int) -> None:
     """Tensors of one grouped_allreduce reduced together in the fusion buffer."""
     fused_before = _core.runtime_stats()["fused_groups"]
-    for dtype, op, pre, post in [("float32", cc.SUM, 1.0, 1.0), ("int16", cc.AVERAGE, 1.0, 1.0),
-                                 ("float64", cc.MAX, 0.5, 3.0)]:
+    for dtype, op, pre, post in [("float32", SUM, 1.0, 1.0), ("int16", AVERAGE, 1.0, 1.0),
+                                 ("float64", MAX, 0.5, 3.0)]:
         shapes = [(3,), (5, 1), (1,), (2, 7)]
         data = [[rank_data(r, shape, dtype, seed=80 + i) for i, shape in enumerate(shapes)]
                 for r in range(size)]
@@ -104,8 +150,8 @@ def check_fused(rank: int, size: int) -> None:
         got = _core.grouped_allreduce(data[rank], names, op=op, prescale_factor=pre,
                                       postscale_factor=post)
         for i, name in enumerate(names):
-            expected = cc.expected_reduce([d[i] for d in data], op, dtype, pre, post)
-            assert_close(rank, name, got[i], expected, **cc.tolerance(dtype))
+            expected = expected_reduce([d[i] for d in data], op, dtype, pre, post)
+            assert_close(rank, name, got[i], expected, **tolerance(dtype))
     if _core.runtime_stats()["fused_groups"] < fused_before + 3:
         fail(rank, "grouped_allreduce was not fused")
 
@@ -115,15 +161,14 @@ def check_process_set(rank: int, size: int) -> int:
     if size < 3:
         return 0  # its only such set is the global one
     members = [0, size - 1]
-    the_set = process_sets.add_process_set(members)
-    set_id = the_set.process_set_id
+    set_id = _core.add_process_set(members)
     ran = 0
     if rank in members:
         data = [rank_data(r, (LARGE,), "float32", seed=90) for r in members]
-        got = _core.allreduce(data[members.index(rank)], "h.set", op=cc.SUM, process_set_id=set_id)
-        assert_close(rank, "h.set", got, cc.expected_reduce(data, cc.SUM, "float32"), rtol=1e-5)
+        got = _core.allreduce(data[members.index(rank)], "h.set", op=SUM, process_set_id=set_id)
+        assert_close(rank, "h.set", got, expected_reduce(data, SUM, "float32"), rtol=1e-5)
         ran = 1
-    process_sets.remove_process_set(the_set)
+    _core.remove_process_set(set_id)
     return ran
 
 
@@ -132,7 +177,7 @@ def check_timeline(rank: int, size: int, prefix: str, expect: str) -> None:
     path = f"{prefix}.json"
     _core.start_timeline(path)
     data = [rank_data(r, (LARGE,), "float32", seed=95) for r in range(size)]
-    _core.allreduce(data[rank], "h.timeline", op=cc.SUM)
+    _core.allreduce(data[rank], "h.timeline", op=SUM)
     _core.stop_timeline()
     with open(f"{prefix}.rank{rank}.json") as f:
         events = json.load(f)
@@ -151,7 +196,7 @@ def mismatch() -> None:
     rank = int(os.environ.get("PERSEUS_TCP_RANK") or os.environ["OMPI_COMM_WORLD_RANK"])
     os.environ["PERSEUS_HIERARCHICAL_ALLREDUCE"] = "0" if rank == 1 else "1"
     try:
-        basics.init()
+        init_core(_core)
     except Exception as exc:  # noqa: BLE001 (whatever the error type, its text is checked)
         text = str(exc)
         if "PERSEUS_HIERARCHICAL_ALLREDUCE differs between ranks" in text and \
@@ -165,7 +210,7 @@ def mismatch() -> None:
 def bad_value() -> None:
     os.environ["PERSEUS_HIERARCHICAL_ALLREDUCE"] = "yes"
     try:
-        basics.init()
+        init_core(_core)
     except Exception as exc:  # noqa: BLE001 (whatever the error type, its text is checked)
         if 'PERSEUS_HIERARCHICAL_ALLREDUCE="yes" is not one of auto, 0, 1' not in str(exc):
             fail(0, f"init failed for another reason: {exc}")
@@ -179,34 +224,36 @@ def main() -> None:
         (mismatch if sys.argv[1] == "mismatch" else bad_value)()
         return
     expect = sys.argv[1]
-    basics.init()
+    init_core(_core)
     rank, size = _core.rank(), _core.size()
-    print(f"[rank {rank}] {tf_config.controller_from_env()} local_size={_core.local_size()} "
+    print(f"[rank {rank}] {CONTROLLER} local_size={_core.local_size()} "
           f"cross_size={_core.cross_size()}", flush=True)
     before = counters()
     pipelined_cases = 0
-    if expect == "hierarchical":  # the flat algorithms have tests of their own
-        check_every_op_and_dtype(rank, size)
-        check_large_and_scaled(rank, size)
-        pipelined_cases = check_pipelined(rank, size)
+    if expect.startswith("hierarchical"):  # the flat algorithms have tests of their own
+        quick = expect == "hierarchical-quick"
+        check_every_op_and_dtype(rank, size, quick)
+        check_large_and_scaled(rank, size, quick)
+        pipelined_cases = check_pipelined(rank, size, quick)
+        check_cross_algorithms(rank, size)
     check_fused(rank, size)
     in_set = check_process_set(rank, size)
     after = counters()
     ran, hierarchical, pipelined = (a - b for a, b in zip(after, before))
     global_set = ran - in_set
-    wanted = global_set if expect == "hierarchical" else 0
+    wanted = global_set if expect.startswith("hierarchical") else 0
     if hierarchical != wanted:
         fail(rank, f"{hierarchical} of {ran} allreduces ran hierarchically ({in_set} on a "
                    f"process set), expected {wanted}")
     # Only the TCP transport overlaps the phases; MPI runs them one after another.
-    wanted = pipelined_cases if tf_config.controller_from_env() == "tcp" else 0
+    wanted = pipelined_cases if CONTROLLER == "tcp" else 0
     if pipelined != wanted:
         fail(rank, f"{pipelined} allreduces ran pipelined, expected {wanted}")
     if len(sys.argv) > 2:
-        check_timeline(rank, size, sys.argv[2], expect)
+        check_timeline(rank, size, sys.argv[2], "flat" if expect == "flat" else "hierarchical")
     print(f"[rank {rank}] hierarchical OK: {hierarchical} of {ran} allreduces hierarchical",
           flush=True)
-    basics.shutdown()
+    _core.shutdown()
 
 
 if __name__ == "__main__":

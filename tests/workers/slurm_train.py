@@ -1,6 +1,7 @@
 """Runs on every task of a Slurm job (tests/test_slurm.py): the rank layout Slurm gave, then
 DistributedOptimizer training (Adam, MonitoredTrainingSession, rank-0 checkpoints) equal to a
-single-process run on the global batch (the model and reference of train_models.py).
+single-process run on the global batch (the model and reference of train_models.py), its
+gradients reduced hierarchically (the runtime found the same nodes: several tasks on each).
 
 Usage: slurm_train.py CONTROLLER NODES TASKS_PER_NODE SHARED_DIR
 CONTROLLER (mpi or tcp) is the transport the job must have chosen by itself.
@@ -62,6 +63,10 @@ def main() -> None:
     for name, g, e in zip(VAR_NAMES, got, expected):
         assert_close(rank, f"adam: {name}", g, e, rtol=RTOL, atol=ATOL)
     check_checkpoint_files(rank, size, root, expected)
+    hierarchical = pl.runtime_stats()["hierarchical_allreduces"]
+    if TASKS_PER_NODE > 1 and NODES > 1 and hierarchical == 0:
+        fail(rank, f"no allreduce ran hierarchically on {NODES} nodes of {TASKS_PER_NODE} tasks: "
+                   "the runtime did not find the nodes Slurm gave")
     print(f"[rank {rank}] slurm training OK on {socket.gethostname()}", flush=True)
 
 

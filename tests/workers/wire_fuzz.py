@@ -62,6 +62,7 @@ VALID = {
         responses([response(0, [b"grad/w", b"grad/b"], 2, 1, sizes=[12, 3], joined=[1])]),
         responses([response(1, [b"x"], 10, 0, sizes=[2, 3]), response(4, [b"y"], 2, 0,
                                                                       error=b"mismatch")]),
+        responses([response(10, [], 0, 0, sizes=[1 << 20, 2500, 1])]),  # PERSEUS_AUTOTUNE's
     ],
 }
 # Each is valid but for one field: the decoder must refuse it.
@@ -82,7 +83,7 @@ INVALID = {
     ],
     "responses": [
         responses([response(0, [b"a"], 11, 1)]),
-        responses([response(10, [b"a"], 2, 1)]),
+        responses([response(11, [b"a"], 2, 1)]),   # response type 11
         responses([response(0, [b"a"], 2, 9)]),
         responses([response(1, [b"a"], 2, 0, sizes=[-5])]),
         responses([response(0, [b"a"], 2, 1, joined=[-1])]),

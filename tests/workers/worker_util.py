@@ -1,6 +1,7 @@
 """The helpers of the scripts that run on every rank (tests/workers/*.py): checks that name the
-rank, expected errors, seeded data, a barrier, agreement across ranks, the files a rank wrote,
-the linear Estimator of the fault and restart workers and its numpy trajectory.
+rank, expected errors, seeded data and the reductions numpy expects of it, a barrier, agreement
+across ranks, the files a rank wrote, the linear Estimator of the fault and restart workers and
+its numpy trajectory.
 
 The launching side's helpers are in tests/harness.py.
 """
@@ -14,6 +15,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 
+import ml_dtypes
 import numpy as np
 
 
@@ -70,6 +72,41 @@ def wanted_cases(cases: Sequence[str], wanted: Sequence[str],
     if unknown:
         fail(launcher_rank(), f"unknown cases {unknown}; known: {list(cases)}")
     return [name for name in cases if name in wanted]
+
+
+# The reduce ops' numbers (those of _core and perseus_legacy), the numeric dtypes, and what a
+# reduction over ranks gives, by numpy from every rank's data.
+AVERAGE, SUM, MIN, MAX, PRODUCT = 0, 1, 2, 3, 4
+OPS = {"average": AVERAGE, "sum": SUM, "min": MIN, "max": MAX, "product": PRODUCT}
+NUMERIC = ["float16", ml_dtypes.bfloat16, "float32", "float64", "int32", "int64", "uint8", "int8",
+           "int16", "uint16"]
+
+
+def tolerance(dtype) -> dict:
+    name = np.dtype(dtype).name
+    return {"float16": {"rtol": 1e-2}, "bfloat16": {"rtol": 4e-2}}.get(name, {"rtol": 1e-6})
+
+
+def expected_reduce(arrays: list, op: int, dtype, prescale: float = 1.0,
+                    postscale: float = 1.0) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    integer = dtype.kind in "iu"
+    wide = [a.astype(np.int64 if integer else np.float64) for a in arrays]
+    if prescale != 1.0:
+        wide = [w * prescale for w in wide]
+    stacked = np.stack(wide)
+    if op in (AVERAGE, SUM):
+        result = stacked.sum(axis=0)
+    elif op == MIN:
+        result = stacked.min(axis=0)
+    elif op == MAX:
+        result = stacked.max(axis=0)
+    else:
+        result = np.prod(stacked, axis=0)
+    if op == AVERAGE:
+        # Integer averages truncate toward zero after the sum (documented in reduce.h).
+        result = np.trunc(result / len(arrays)) if integer else result / len(arrays)
+    return (result * postscale).astype(dtype)
 
 
 def assert_close(rank: int, what: str, got, expected, rtol: float = 1e-6, atol: float = 0.0):
@@ -230,13 +267,20 @@ def load_core():
 
 def init_core(core) -> int:
     """init() of `core` (load_core()) as perseus_legacy.init() would under perseusrun: over TCP
-    from the PERSEUS_TCP_* variables `perseusrun --tcp` sets, else over MPI; returns the rank."""
+    from the PERSEUS_TCP_* variables `perseusrun --tcp` sets (the local and cross ranks by the
+    addresses' hosts, rank order within each), else over MPI; returns the rank."""
     timeout = float(os.environ.get("PERSEUS_START_TIMEOUT", "120"))
     if "PERSEUS_TCP_RANK" not in os.environ:
         core.init_mpi(0, timeout)
         return core.rank()
     rank = int(os.environ["PERSEUS_TCP_RANK"])
     addresses = os.environ["PERSEUS_TCP_ADDRESSES"].split(",")
-    core.init_tcp(rank, addresses, rank, len(addresses), 0, 1, os.environ["PERSEUS_SECRET"],
-                  timeout)
+    host_of = [address.rsplit(":", 1)[0] for address in addresses]
+    mine = [r for r in range(len(addresses)) if host_of[r] == host_of[rank]]
+    local_rank = mine.index(rank)
+    # One rank of each host has this local rank: the hosts' ranks with as many before them.
+    same_local = [r for r in range(len(addresses))
+                  if host_of[:r].count(host_of[r]) == local_rank]
+    core.init_tcp(rank, addresses, local_rank, len(mine), same_local.index(rank),
+                  len(same_local), os.environ["PERSEUS_SECRET"], timeout)
     return rank

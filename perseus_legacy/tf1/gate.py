@@ -1,5 +1,7 @@
 """Sync points led by rank 0, at which the other ranks may wait for as long as rank 0 is busy.
 
+Here in tf1/ because both layers pass the same points: the stop agreement after each training
+step (perseus_legacy.tf1.stopping) and the distributed Estimator's (perseus_legacy.estimator).
 Rank 0 alone does some work between training steps (evaluating a checkpoint, exporting a model).
 The other ranks must wait for it, but not inside a pending collective: a tensor that some ranks
 submitted and rank 0 did not is a stall to the runtime (a warning after
@@ -11,9 +13,10 @@ A sync point is a series of rounds, each one allreduce (Sum) named `<prefix>.<k>
 of a [ranks, 3] table in which each rank fills its own row [state, value, payload bytes]: rank
 0's state BUSY makes every rank go round again with k + 1, DONE ends the sync point (followed by
 a broadcast `<prefix>.payload` when there are payload bytes). `sync()` gives every rank rank 0's
-value; `agree()` gives every rank every rank's value, in the same one collective: the stop
-agreement after each training step (perseus_legacy.tf1.stopping) is such a sync point, so a step
-costs one small allreduce, of the same name every step (the runtime's response cache knows it).
+value; `agree()` gives every rank every rank's value (and the payload of the lowest rank with the
+highest value), in the same one collective: the stop agreement after each training step is such
+a sync point, so a step costs one small allreduce, of the same name every step (the runtime's
+response cache knows it).
 A rank that joined (perseus_legacy.join()) takes part with zeros: a row of zeros reads DONE.
 
 The wait is bounded: a rank that has heard "still busy" for PERSEUS_CHIEF_WAIT_SECS (default
@@ -109,8 +112,9 @@ class ChiefGate:
         return int(table[0, 1]), payload
 
     def agree(self, value: int, payload: bytes = b"") -> tuple:
-        """Every rank gets every rank's `value` (an array, in rank order) and the payload of the
-        lowest rank whose value is not 0 (b"" when none is), once rank 0 reaches this point too."""
+        """Every rank gets every rank's `value` (>= 0; an array, in rank order) and the payload
+        of the lowest rank of highest value (b"" when every value is 0), once rank 0 reaches
+        this point too."""
         if basics.size() == 1:
             return np.array([int(value)], np.int64), payload if value else b""
         table, payload = self._pass(int(value), payload, source=None)
@@ -118,13 +122,12 @@ class ChiefGate:
 
     def _pass(self, value: int, payload: bytes, source: int | None) -> tuple:
         """The rounds of one sync point, then the payload of `source` (None: the lowest rank
-        with a value) when it has one."""
+        of highest value) when it has one."""
         try:
             table = self._lead(value, len(payload)) if basics.rank() == 0 else \
                 self._follow(value, len(payload))
             if source is None:
-                given = np.flatnonzero(table[:, 1])
-                source = int(given[0]) if given.size else 0
+                source = int(np.argmax(table[:, 1]))  # the first of the highest
             nbytes = int(table[source, 2])
             if not nbytes:
                 return table, b""
@@ -157,7 +160,7 @@ class ChiefGate:
                     "evaluation or export")
 
 
-# The one gate of this process: the Estimator's sync points and the stop agreement after each
-# training step (perseus_legacy.tf1.stopping) are points of the same sequence, so the ranks
-# waiting at either are answered while rank 0 is busy().
+# The one gate of this process: the Estimator's sync points (perseus_legacy.estimator) and the
+# stop agreement after each training step (perseus_legacy.tf1.stopping) are points of the same
+# sequence, so the ranks waiting at either are answered while rank 0 is busy().
 GATE = ChiefGate("perseus.gate")
