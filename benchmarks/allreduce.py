@@ -35,13 +35,13 @@ import perseus_legacy as pl
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 import numpy as np
 import tensorflow as tf
+from bench_common.tf_steps import mpi4py_step, tf_allreduce_step
+from bench_common.timing import timed
 
 if "--tcp-worker" not in sys.argv:  # the TCP launch must not initialize MPI
     from mpi4py import MPI
@@ -49,7 +49,6 @@ if "--tcp-worker" not in sys.argv:  # the TCP launch must not initialize MPI
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB]
 CHAIN = 4  # allreduces per session.run in the main table
-INTER_OP_THREADS = 2  # async kernels never hold a thread; two keep the executor responsive
 
 
 def label(nbytes: int) -> str:
@@ -62,76 +61,9 @@ def mpi_agree(value: int) -> int:
 
 
 def median_seconds(steps: dict, repeats: int, budget_s: float, agree=mpi_agree) -> dict:
-    """Median seconds per call of each step function, ranks aligned by `agree` (a barrier).
-
-    The steps take turns within every repeat, so load from elsewhere on the machine hits them
-    alike and the ratios stay meaningful on a busy host.
-    """
-    batches = {}
-    for name, step in steps.items():
-        for _ in range(3):
-            step()  # warm-up: negotiation, first allocations, page faults of fresh buffers
-        t0 = time.perf_counter()
-        step()
-        one = max(time.perf_counter() - t0, 1e-6)
-        # Every rank must make the same number of calls: rank 0's estimate decides.
-        batches[name] = agree(max(1, min(500, int(budget_s / len(steps) / repeats / one))))
-    samples = {name: [] for name in steps}
-    for _ in range(repeats):
-        for name, step in steps.items():
-            agree(0)
-            t0 = time.perf_counter()
-            for _ in range(batches[name]):
-                step()
-            samples[name].append((time.perf_counter() - t0) / batches[name])
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
-def session(graph: tf.Graph) -> tf.compat.v1.Session:
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                      inter_op_parallelism_threads=INTER_OP_THREADS)
-    return tf.compat.v1.Session(graph=graph, config=config)
-
-
-def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
-                      floor: bool = False):
-    """A Session step running `chain` rounds of one Sum-allreduce per shape, nothing fetched.
-
-    Rounds are serialized by control dependencies, so each allreduce runs alone (never fused
-    with the next) and one session.run's fixed cost is shared by `chain` of them. `grouped`:
-    each round is one grouped_allreduce op of all the shapes instead of one op per shape.
-    `floor`: the same graph with `tf.identity` in place of each allreduce, TensorFlow's own cost
-    of such a step (the variable read, the executor, session.run), which no collective can beat.
-    """
-    graph = tf.Graph()
-    with graph.as_default():
-        variables = [tf.compat.v1.Variable(tf.ones(s, tf.float32), name=f"input_{i}")
-                     for i, s in enumerate(shapes)]
-        previous = []
-        for k in range(chain):
-            with tf.control_dependencies(previous):
-                if floor:
-                    previous = [tf.identity(v.read_value(), name=f"floor_{i}_{k}")
-                                for i, v in enumerate(variables)]
-                elif grouped:
-                    previous = pl.grouped_allreduce([v.read_value() for v in variables],
-                                                    op=pl.Sum, name=f"bench_group_{k}")
-                else:
-                    previous = [pl.allreduce(v.read_value(), op=pl.Sum, name=f"bench_{i}_{k}")
-                                for i, v in enumerate(variables)]
-        target = tf.group(*previous)
-        init = tf.compat.v1.global_variables_initializer()
-    graph.finalize()
-    sess = session(graph)
-    sess.run(init)
-    return lambda: sess.run(target)
-
-
-def mpi4py_step(nbytes: int):
-    comm = MPI.COMM_WORLD
-    send = np.ones(nbytes // 4, np.float32)
-    recv = np.empty_like(send)
-    return lambda: comm.Allreduce(send, recv, op=MPI.SUM)
+    """timed() with this script's warm-up (3 calls) and batches (up to 500 calls), `agree(0)`
+    aligning the ranks."""
+    return timed(steps, lambda: agree(0), agree, repeats, budget_s, warmups=3, most_calls=500)
 
 
 # ---- TCP column: perseus_legacy._core.allreduce over the TCP controller, its own launch -------

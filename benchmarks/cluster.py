@@ -26,8 +26,6 @@ import os
 import subprocess
 import sys
 
-from timing import timed  # benchmarks/timing.py, next to this file
-
 MIB = 1024 * 1024
 SIZES = [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB]
 ROWS = {"op_mpi": "TF op, MPI", "op_tcp": "TF op, TCP", "mpi4py": "mpi4py Allreduce",
@@ -42,15 +40,18 @@ def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: flo
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = controller == "mpi"  # --tcp: MPI never starts
-    import allreduce as bench  # noqa: I001 (benchmarks/allreduce.py: the op's Session step)
     import numpy as np
+    from bench_common.tf_steps import mpi4py_step, tf_allreduce_step  # perseus_legacy, then TF
+    from bench_common.timing import timed
 
+    import perseus_legacy as pl
     from perseus_legacy import _core
 
-    pl = bench.pl
     pl.init()
     if controller == "mpi":
-        comm = bench.MPI.COMM_WORLD
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
         barrier, agree = comm.Barrier, lambda value: comm.bcast(value, root=0)
     else:
         def agree(value: int) -> int:  # rank 0's value everywhere; also a barrier
@@ -62,9 +63,9 @@ def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: flo
     for nbytes in sizes:
         steps = {}
         if f"op_{controller}" in rows:
-            steps[f"op_{controller}"] = bench.tf_allreduce_step([(nbytes // 4,)])
+            steps[f"op_{controller}"] = tf_allreduce_step([(nbytes // 4,)])
         if controller == "mpi" and "mpi4py" in rows:
-            steps["mpi4py"] = bench.mpi4py_step(nbytes)
+            steps["mpi4py"] = mpi4py_step(nbytes)
         for name, seconds in timed(steps, barrier, agree, repeats, budget_s).items():
             results.setdefault(name, {})[nbytes] = seconds
     if pl.rank() == 0:
@@ -133,9 +134,9 @@ def measure(hosts: int, slots: int, link_rate: str, args: argparse.Namespace,
     if "op_tcp" in args.rows:
         results.update(launch(hosts, slots, link_rate, "tcp", args, delay_ms))
     if "mwms" in args.rows:
-        import cluster_mwms  # benchmarks/cluster_mwms.py, next to this file
+        from bench_common import mwms
 
-        results.update(cluster_mwms.launch(hosts, slots, link_rate, args, delay_ms))
+        results.update(mwms.launch(hosts, slots, link_rate, args, delay_ms))
     return results
 
 

@@ -8,10 +8,11 @@ default, so a rank's TensorFlow and perseus_legacy threads are not confined to o
 prints a markdown table: global examples/s,
 time per step, and the scaling efficiency against the baseline measured in the same run, one
 process with a plain tf.estimator.RunConfig (examples/s over ranks times the baseline's,
-per-rank batch fixed). The model is benchmarks/training.py's small CNN in a custom model_fn
-(plain Momentum optimizer); steps are timed by a hook on rank 0 after a warm-up, with
-checkpoints and summaries off. The configurations take turns within every repeat, and the
-median repeat is reported, so load from elsewhere on the host hits them alike.
+per-rank batch fixed). The model is bench_common/cnn.py's small CNN (as in
+benchmarks/training.py) in a custom model_fn (plain Momentum optimizer); steps are timed by a
+hook on rank 0 after a warm-up, with checkpoints and summaries off. The configurations take
+turns within every repeat, and the median repeat is reported, so load from elsewhere on the host
+hits them alike.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -28,7 +29,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from training import BATCH, CLASSES, IMAGE, barrier, cnn, median_runs, share
+from bench_common.cnn import BATCH, CLASSES, IMAGE, barrier, cnn, median_runs, share
 
 WARMUP = 5
 CONFIGS = (("plain", 1), ("run_config", 1), ("run_config", 2), ("lockstep", 2))
@@ -106,8 +107,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.steps)
         return
-    best = median_runs(list(CONFIGS), args.steps, args.repeats, script=__file__,
-                       bind_to="none")
+    best = median_runs(list(CONFIGS), args.steps, args.repeats, __file__, bind_to="none")
     baseline = best[("plain", 1)]["examples_per_s"]
     print(f"\nEstimator, small CNN, batch {BATCH} per rank, {args.steps} timed steps, median of "
           f"{args.repeats} runs, 1 intra-op thread per rank\n")

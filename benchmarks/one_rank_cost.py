@@ -4,7 +4,7 @@
     python benchmarks/one_rank_cost.py [--rounds 3] [--steps 200]
     perseusrun -np 1 python benchmarks/one_rank_cost.py      (the same under mpirun)
 
-The model is benchmarks/cluster_training_model.py's (24 MiB of dense weights, batch 32, about
+The model is benchmarks/bench_common/training_model.py's (24 MiB of dense weights, batch 32, about
 10 ms a step on one core). Each round trains a fresh Estimator of each kind for --steps steps;
 the first 20 steps of each are not timed. Per kind: the median wall time of a step and the CPU
 time (user + system, every thread of the process) per step, and run_config()'s over plain's.
@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-import cluster_training_model as model
+from bench_common import training_model as model
 import tensorflow as tf
 
 UNTIMED = 20  # steps: graph building, the session, first allocations

@@ -4,12 +4,13 @@ Horovod 0.28.1 and parameter servers, in one run, with the efficiency chart.
     python benchmarks/scaling.py [--models resnet101,vgg16] [--hosts 1,2,4,8,4x2]
         [--systems run_config_mpi,...] [--json results.jsonl] [--chart scaling.png]   (as root)
 
-Each launch trains the emulated model of benchmarks/scaling_model.py (an accelerator's time in
-waits that use no CPU, real gradient tensors of each layer scaled by link rate / real link
-rate) on emulated hosts (perseusrun/emulate.py) whose links are capped at --link-rate, one
-worker process per emulated GPU, with one system (the rows; benchmarks/scaling_worker.py runs
-each). A layout is HOSTS or HOSTSxRANKS_PER_HOST. docs/scaling.md says what the emulation
-keeps and leaves out, where the step times come from, and a measured table.
+Each launch trains the emulated model of benchmarks/bench_common/scaling_model.py (an
+accelerator's time in waits that use no CPU, real gradient tensors of each layer scaled by link
+rate / real link rate) on emulated hosts (perseusrun/emulate.py) whose links are capped at
+--link-rate, one worker process per emulated GPU, with one system (the rows;
+benchmarks/scaling_worker.py runs each). A layout is HOSTS or HOSTSxRANKS_PER_HOST.
+docs/scaling.md says what the emulation keeps and leaves out, where the step times come from,
+and a measured table.
 
 Columns: examples/s (all ranks), the scaling efficiency (examples/s over ranks x the same
 system's examples/s on one host with one rank), the model's bounds in examples/s (compute
@@ -41,8 +42,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import cluster_training  # benchmarks/: the directory of the script run, first on sys.path
-import scaling_model
+from bench_common import emulated, scaling_model  # benchmarks/: this script's directory
 
 HERE = Path(__file__).resolve().parent
 
@@ -147,19 +147,17 @@ def launch(name: str, model: str, hosts: int, slots: int, args: argparse.Namespa
     ranks = hosts * slots
     program = worker_argv(name, model, ranks, stats_dir, model_dir, args)
     tensorflow = tensorflow_of(system, args)
-    config = cluster_training.Config(system.title, tensorflow,
+    config = emulated.Config(system.title, tensorflow,
                                      "rank" if system.launch != "parameter_servers"
                                      else system.worker, tcp=system.tcp)
     try:
         if system.launch == "perseusrun":
             # perseusrun itself runs in the main environment; the ranks run `python`.
-            launcher = cluster_training.Config(system.title, "2.21", "rank", tcp=system.tcp)
-            result = cluster_training.launch_perseusrun(launcher, hosts, model_dir, args,
-                                                        program=[python, *program],
-                                                        slots=slots)
+            launcher = emulated.Config(system.title, "2.21", "rank", tcp=system.tcp)
+            result = emulated.launch_perseusrun(launcher, hosts, args, [python, *program],
+                                                slots=slots)
         elif system.launch == "parameter_servers":
-            result = cluster_training.launch_parameter_servers(config, hosts, model_dir, args,
-                                                               program=program)
+            result = emulated.launch_parameter_servers(config, hosts, args, program)
         elif system.launch == "gloo":
             result = launch_gloo(hosts, slots, python, program, args)
         else:
@@ -185,33 +183,33 @@ def _run_hosts(hosts: int, slots: int, env_for, python: str, program: list,
 
     from perseusrun import emulate
 
-    procs = cluster_training.Processes(time.monotonic() + args.timeout)
-    with emulate.emulated_hosts(hosts, **cluster_training.emulated_links(args)) as cluster, \
+    procs = emulated.Processes(time.monotonic() + args.timeout)
+    with emulate.emulated_hosts(hosts, **emulated.emulated_links(args)) as cluster, \
             (before(cluster) if before else contextlib.nullcontext()):
         try:
             for index in range(hosts * slots):
                 procs.start(f"p{index}", [python, *program], env_for(cluster, index),
                             cluster[index // slots])
-            line = procs.wait_for(cluster_training.RESULT, {"p0"},
+            line = procs.wait_for(emulated.RESULT, {"p0"},
                                   may_end={f"p{i}" for i in range(1, hosts * slots)})["p0"]
             procs.wait_ended(set(procs.procs), time.monotonic() + 60)
-            return cluster_training.parse_result(line)
+            return emulated.parse_result(line)
         finally:
             procs.close()
 
 
 def launch_mwms(hosts: int, slots: int, python: str, program: list,
                 args: argparse.Namespace) -> dict:
-    import cluster_mwms
+    from bench_common import mwms
 
-    base = cluster_training.Config("mwms", "2.21", "rank")
+    base = emulated.Config("mwms", "2.21", "rank")
 
     def env_for(cluster, index: int) -> dict:
-        addresses = [f"{host.address}:{cluster_mwms.BASE_PORT + slot}" for host in cluster
+        addresses = [f"{host.address}:{mwms.BASE_PORT + slot}" for host in cluster
                      for slot in range(slots)]
-        env = cluster_training.process_env(base)
-        env.update(cluster_mwms.worker_env(addresses, index))
-        env.update(cluster_training.THREADS)
+        env = emulated.process_env(base)
+        env.update(mwms.worker_env(addresses, index))
+        env.update(emulated.THREADS)
         env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE)])
         return env
 
@@ -225,7 +223,7 @@ def launch_gloo(hosts: int, slots: int, python: str, program: list,
     variables horovodrun would give it."""
     import contextlib
 
-    base = cluster_training.Config("horovod_gloo", "2.15", "rank")
+    base = emulated.Config("horovod_gloo", "2.15", "rank")
 
     @contextlib.contextmanager
     def rendezvous(cluster):
@@ -244,7 +242,7 @@ def launch_gloo(hosts: int, slots: int, python: str, program: list,
         try:
             port = server.stdout.readline().strip()
             if not port.isdigit():
-                raise cluster_training.LaunchError("Horovod's rendezvous server did not start")
+                raise emulated.LaunchError("Horovod's rendezvous server did not start")
             rendezvous.port = int(port)
             yield
         finally:
@@ -253,7 +251,7 @@ def launch_gloo(hosts: int, slots: int, python: str, program: list,
 
     def env_for(cluster, index: int) -> dict:
         host = index // slots
-        env = cluster_training.process_env(base)
+        env = emulated.process_env(base)
         env.update({
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": cluster.launch_address,
             "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous.port),
@@ -475,7 +473,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--systems", default=DEFAULT_SYSTEMS,
                         help=f"comma-separated, of {', '.join(SYSTEMS)}, or all")
     parser.add_argument("--link-rate", default="1gbit", help="each emulated host's link")
-    cluster_training.add_link_options(parser)
+    emulated.add_link_options(parser)
     parser.add_argument("--real-link-rate", default=REAL_LINK,
                         help="the real cluster's link: gradients are scaled by link/real")
     parser.add_argument("--steps", type=int, default=10, help="timed steps per launch")
@@ -494,11 +492,11 @@ def parse_args() -> argparse.Namespace:
                         "the measured hosts")
     parser.add_argument("--chart-only", help="draw the chart of this --json file and exit")
     parser.add_argument("-v", "--verbose", action="store_true")
-    parser.add_argument("--tf221-python", default=str(cluster_training.MPI_BIN / "python"))
-    parser.add_argument("--tf215-python", default=str(cluster_training.TF215_PYTHON))
+    parser.add_argument("--tf221-python", default=str(emulated.MPI_BIN / "python"))
+    parser.add_argument("--tf215-python", default=str(emulated.TF215_PYTHON))
     parser.add_argument("--peers-python", default=str(PEERS_PYTHON))
     args = parser.parse_args()
-    args.ps_layout = "colocated"  # what cluster_training's launchers read
+    args.ps_layout = "colocated"  # what bench_common/emulated.py's launchers read
     return args
 
 
@@ -521,7 +519,7 @@ def main() -> None:
     try:
         args.link_bytes_s = emulate.rate_bytes_per_second(args.link_rate)
         args.byte_scale = args.link_bytes_s / emulate.rate_bytes_per_second(args.real_link_rate)
-        emulate.check_requirements(**cluster_training.emulated_links(args))
+        emulate.check_requirements(**emulated.emulated_links(args))
         for model in models:
             scaling_model.load_profile(model)
     except (emulate.EmulationError, ValueError) as exc:
@@ -532,7 +530,7 @@ def main() -> None:
         json_path.write_text("")
     rows, started = [], time.monotonic()
     try:
-        with cluster_training.stop_signals_raise():
+        with emulated.stop_signals_raise():
             for model in models:
                 for hosts, slots in layouts:
                     for name in names:
@@ -567,7 +565,7 @@ def measure(name: str, model: str, hosts: int, slots: int, args: argparse.Namesp
     except Skip as skip:
         print(f"{model} {name} {layout}: skipped, {skip}", file=sys.stderr, flush=True)
         return {"model": model, "system": name, "layout": layout, "failed": "n/a"}
-    except cluster_training.LaunchError as exc:
+    except emulated.LaunchError as exc:
         print(f"{model} {name} {layout}: failed: {exc}", file=sys.stderr, flush=True)
         return {"model": model, "system": name, "layout": layout, "failed": "failed"}
     row = make_row(name, model, hosts, slots, result, args)

@@ -3,7 +3,7 @@ benchmarks/scaling.py measured on 2-8 hosts and projected to 16-512 hosts on 25 
 
     python benchmarks/scaling_projection.py [--measured scaling.jsonl] [--json projection.jsonl]
 
-The step, on H hosts with one rank each (scaling_model.py's profile of the model):
+The step, on H hosts with one rank each (bench_common/scaling_model.py's profile of the model):
 - forward, then backward layer by layer; each gradient exists when its layer's backward ends;
 - the runtime's background thread runs rounds one after another: a round starts once the
   previous collective has ended and a gradient is ready, takes every gradient ready by then
@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import scaling_model  # benchmarks/: the directory of the script run, first on sys.path
+from bench_common import scaling_model  # benchmarks/: this script's directory
 
 HERE = Path(__file__).resolve().parent
 

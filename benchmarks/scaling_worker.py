@@ -1,5 +1,5 @@
-"""One process of benchmarks/scaling.py: trains the emulated model (scaling_model.py) with one
-system, times it after the warm-up and reports.
+"""One process of benchmarks/scaling.py: trains the emulated model
+(bench_common/scaling_model.py) with one system, times it after the warm-up and reports.
 
     python benchmarks/scaling_worker.py --system SYSTEM --model M --byte-scale S --stats-dir D ...
 
@@ -121,7 +121,7 @@ def write_stats(args: argparse.Namespace, who: str, reporter: bool, **stats) -> 
 
 
 def _loss(args: argparse.Namespace, inputs=None, make_variable=None):
-    import scaling_model
+    from bench_common import scaling_model
 
     profile = scaling_model.load_profile(args.model, step_scale=args.step_scale)
     wait = scaling_model.Wait(args.wait)
@@ -190,10 +190,10 @@ def run_estimator(args: argparse.Namespace) -> None:
     max_steps = _total_steps(args) * replicas // per_global_step
     estimator = tf.estimator.Estimator(model_fn, config=config)
     if args.system.startswith("ps_"):
-        import cluster_training_model
+        from bench_common import training_model
 
         spec = tf.estimator.TrainSpec(input_fn, max_steps=max_steps,
-                                      hooks=[cluster_training_model.StartTogether()])
+                                      hooks=[training_model.StartTogether()])
         tf.estimator.train_and_evaluate(estimator, spec,
                                         tf.estimator.EvalSpec(input_fn, steps=1))
     else:

@@ -1,6 +1,6 @@
 """Puts tests/ on sys.path, so that a test in any folder below imports the launching side's
 helpers as `harness` (tests/harness.py), and benchmarks/, whose modules tests import as its
-scripts do (by name: `import scaling_model`); the fixtures several test files share."""
+scripts do (`from bench_common import scaling_model`); the fixtures several test files share."""
 
 import sys
 from pathlib import Path

@@ -492,6 +492,7 @@ def worker_module(name: str) -> ModuleType:
 
 
 files_under = worker_module("worker_util").files_under
+momentum_trajectory = worker_module("worker_util").momentum_trajectory
 
 ACCURACY = re.compile(r"^test accuracy: ([0-9.]+)", re.MULTILINE)
 
@@ -565,24 +566,12 @@ def load_values(path: Path) -> dict:
 
 def trajectory(worker) -> list:
     """The variables after each step 0..TOTAL_STEPS of one uninterrupted process trained on the
-    global batch from the first run's rank 0 values: Momentum on the mean squared error, in
-    float64 numpy."""
-    x, y = (a.astype(np.float64) for a in worker.global_batches())
-    init = worker.initial_values(0, "cut")  # the same in every faulted phase
-    w, b = init["w"].astype(np.float64), init["b"].astype(np.float64)
-    w_slot, b_slot = np.zeros_like(w), np.zeros_like(b)
-    states = []
-    for step in range(worker.TOTAL_STEPS + 1):
-        states.append({"w": w, "b": b, "w/Momentum": w_slot, "b/Momentum": b_slot,
-                       "global_step": np.int64(step)})
-        if step == worker.TOTAL_STEPS:
-            break
-        error = x[step] @ w + b - y[step]
-        w_grad = 2 * x[step].T @ error / len(error)
-        b_grad = 2 * error.sum(axis=0) / len(error)
-        w_slot, b_slot = worker.MOMENTUM * w_slot + w_grad, worker.MOMENTUM * b_slot + b_grad
-        w, b = w - worker.LEARNING_RATE * w_slot, b - worker.LEARNING_RATE * b_slot
-    return states
+    global batch from the first run's rank 0 values (the same in every faulted phase): Momentum
+    on the mean squared error, in float64 numpy."""
+    x, y = worker.global_batches()
+    return momentum_trajectory([(x[step], y[step]) for step in range(worker.TOTAL_STEPS)],
+                               worker.initial_values(0, "cut"), worker.LEARNING_RATE,
+                               worker.MOMENTUM)
 
 
 def assert_whole_checkpoints(tf, model_dir: Path, steps: list, expected: list) -> None:

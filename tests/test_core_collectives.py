@@ -1,8 +1,10 @@
 """The native core (perseus_legacy._core) under real multi-rank launches, over both controllers.
 
-Each launch runs one worker script on every rank; a worker checks many cases and exits non-zero
-(naming the rank and the case) on the first wrong result. Every test runs with the MPI
-controller (perseusrun) and with the TCP controller (perseusrun --tcp, MPI never initialized).
+Each launch runs one worker script on every rank. core_collectives.py's named cases are tests
+of their own over one launch per rank count and controller (`-k alltoall` launches only that
+case); the other workers check many things and exit non-zero, naming the rank and what failed.
+Every test runs with the MPI controller (perseusrun) and with the TCP controller (perseusrun
+--tcp, MPI never initialized).
 """
 
 from __future__ import annotations
@@ -11,18 +13,32 @@ import re
 import time
 
 import pytest
-from harness import CONTROLLERS, run_ranks
+from harness import CONTROLLERS, run_cases, run_ranks, selected_cases, worker_cases
 
 LAUNCHER = "perseusrun"
 
 
-@pytest.mark.parametrize("controller", CONTROLLERS)
-@pytest.mark.parametrize("np_", [1, 2, 3, 4])
-def test_collectives_match_numpy_for_every_dtype_op_and_submission_order(np_, controller):
-    out = run_ranks(np_, "tests/workers/core_collectives.py", launcher=LAUNCHER, timeout=240,
-                    controller=controller).stdout
-    for rank in range(np_):
-        assert f"[rank {rank}] core collectives OK" in out, out
+COLLECTIVES_WORKER = "tests/workers/core_collectives.py"
+COLLECTIVES_CASES = worker_cases(COLLECTIVES_WORKER)
+COLLECTIVES_LAUNCHES = [(np_, controller) for controller in CONTROLLERS for np_ in (1, 2, 3, 4)]
+
+
+@pytest.fixture(scope="module", params=COLLECTIVES_LAUNCHES, ids=lambda p: f"{p[0]}ranks-{p[1]}")
+def collectives_launch(request):
+    """One launch per rank count and controller runs every selected case of the worker."""
+    np_, controller = request.param
+    return run_cases(np_, COLLECTIVES_WORKER, selected_cases(request, COLLECTIVES_CASES),
+                     launcher=LAUNCHER, timeout=240, controller=controller)
+
+
+@pytest.mark.parametrize("case", COLLECTIVES_CASES)
+def test_collective_matches_numpy_for_every_dtype_op_and_submission_order(
+        collectives_launch, case):
+    """Every dtype and op, scale factors, outputs given or in place, negative values, uneven
+    allgather and alltoall, every broadcast root, empty tensors, shuffled submission from
+    threads, fusion (small and large tensors), argument errors, the single-rank shortcut, and
+    the calls before init and after shutdown."""
+    collectives_launch.check(case)
 
 
 @pytest.fixture(scope="module", params=CONTROLLERS)

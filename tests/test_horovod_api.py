@@ -1,5 +1,9 @@
 """Horovod's TensorFlow API on real ranks: the names a Horovod program uses, against numpy or a
-one-process run (tests/workers/hvd_*.py)."""
+one-process run (tests/workers/hvd_*.py).
+
+The named cases of hvd_api, hvd_adasum, hvd_elastic and hvd_keras run through hvd_checks.py, one
+launch per configuration (LAUNCHES) for every test that names it: each case is a test of its own
+and `-k` launches only what it selects."""
 
 from __future__ import annotations
 
@@ -7,33 +11,81 @@ import subprocess
 import sys
 
 import pytest
-from harness import ROOT, WORKERS, finish, python_for, rank_env, run_ranks
+from harness import (
+    ROOT,
+    WORKERS,
+    finish,
+    python_for,
+    rank_env,
+    run_cases,
+    run_ranks,
+    selected_cases,
+    worker_cases,
+)
 
 from perseusrun import tcp_run
 
+CHECKS_WORKER = "tests/workers/hvd_checks.py"
 
-@pytest.mark.parametrize("np_, controller", [(2, "mpi"), (3, "mpi"), (2, "tcp")])
-def test_horovod_api_matches_numpy_and_one_process_training(np_, controller):
+
+def cases_of(worker: str, names: tuple = ()) -> list[str]:
+    """The named cases `worker.case` of tests/workers/<worker>.py (hvd_checks.py runs them)."""
+    return [f"{worker}.{case}" for case in names or worker_cases(f"tests/workers/{worker}.py")]
+
+
+API, ADASUM, ELASTIC = cases_of("hvd_api"), cases_of("hvd_adasum"), cases_of("hvd_elastic")
+KERAS = cases_of("hvd_keras")
+# TensorFlow 2.15.1 (tf.keras is Keras 2.15; no MPI there: the TCP controller).
+TF215_API = cases_of("hvd_api", ("tf1_local_variables", "keras_optimizer_forwarding",
+                                 "homogeneous"))
+# One launch each (TensorFlow's start-up dominates): ranks, controller, TensorFlow, timeout and
+# the cases it runs; the tests below take the cases of a worker from the launches named.
+LAUNCHES = {
+    "2ranks-mpi": (2, "mpi", "main", 800, API + ELASTIC + KERAS),
+    "3ranks-mpi": (3, "mpi", "main", 500, API),
+    "2ranks-tcp": (2, "tcp", "main", 500, API),
+    "4ranks-mpi": (4, "mpi", "main", 500, ADASUM),  # Adasum: a power of 2 of ranks
+    "tf215-2ranks-tcp": (2, "tcp", "tf215", 600, ADASUM + ELASTIC + TF215_API),
+}
+
+
+@pytest.fixture(scope="module")
+def hvd_launch(request):
+    """The launch LAUNCHES[request.param] (a test's indirect parameter), once for the module,
+    running the cases the selected tests ask of it."""
+    ranks, controller, version, timeout, cases = LAUNCHES[request.param]
+    return run_cases(ranks, CHECKS_WORKER, selected_cases(request, cases), timeout=timeout,
+                     controller=controller, python=python_for(version),
+                     env={"PERSEUS_EXPECT_CONTROLLER": controller})
+
+
+@pytest.mark.parametrize("case", API)
+@pytest.mark.parametrize("hvd_launch", ["2ranks-mpi", "3ranks-mpi", "2ranks-tcp"], indirect=True)
+def test_horovod_api_matches_numpy_and_one_process_training(hvd_launch, case):
     """reducescatter (uneven rows, scale factors, gradients), grouped_allgather, broadcast_,
     object collectives, *_op queries, *_built flags, IndexedSlices rules, deprecated average=,
     TF1 predivision and register_local_var (scaled or not, 1 and 2 passes), a Keras optimizer
     given to perseus_legacy.DistributedOptimizer, is_homogeneous on one host,
     DistributedGradientTape (tf.function step equals one process on the global batch),
     PartialDistributedGradientTape and SyncBatchNormalization (uneven batches)."""
-    out = run_ranks(np_, "tests/workers/hvd_api.py", timeout=500, controller=controller,
-                    env={"PERSEUS_EXPECT_CONTROLLER": controller}).stdout
-    assert out.count("] OK") == np_, out
+    hvd_launch.check(case)
 
 
-def test_keras_horovod_arguments_and_callbacks(tmp_path):
+@pytest.mark.parametrize("case", TF215_API)
+@pytest.mark.parametrize("hvd_launch", ["tf215-2ranks-tcp"], indirect=True)
+def test_local_variables_keras_optimizers_and_homogeneous_on_tf_2_15(hvd_launch, case):
+    """TensorFlow 2.15.1 without tf-keras: TF1 register_local_var, a tf.keras (Keras 2.15)
+    optimizer given to perseus_legacy.DistributedOptimizer, is_homogeneous."""
+    hvd_launch.check(case)
+
+
+@pytest.mark.parametrize("case", KERAS)
+@pytest.mark.parametrize("hvd_launch", ["2ranks-mpi"], indirect=True)
+def test_keras_horovod_arguments_and_callbacks(hvd_launch, case):
     """backward_passes_per_step=2 (averaged or summed) equals single-process fit on the global
     batch, graph and eager; local layers stay per rank; staircase schedule; best checkpoint on
     rank 0 only."""
-    out = run_ranks(2, "tests/workers/hvd_keras.py", tmp_path, timeout=400).stdout
-    assert out.count("] OK") == 2, out
-    for average, mode in (("True", "graph"), ("True", "eager"), ("False", "graph")):
-        assert (f"backward_passes_per_step=2 average={average} {mode}: same weights as "
-                "single-process fit on the global batch") in out, out
+    hvd_launch.check(case)
 
 
 def test_keras_on_tf_2_15_accepts_tf_keras_optimizers_and_fits_like_one_process():
@@ -47,31 +99,25 @@ def test_keras_on_tf_2_15_accepts_tf_keras_optimizers_and_fits_like_one_process(
         assert f"{case}: same weights as single-process fit on the global batch" in out, out
 
 
-def test_adasum_matches_a_numpy_tree_of_every_ranks_tensors_on_4_ranks():
+@pytest.mark.parametrize("case", ADASUM)
+@pytest.mark.parametrize("hvd_launch", ["4ranks-mpi", "tf215-2ranks-tcp"], indirect=True)
+def test_adasum_matches_a_numpy_tree_of_every_ranks_tensors(hvd_launch, case):
     """allreduce/grouped_allreduce (float16/32/64, zero, orthogonal, parallel, scale factors,
     fp16, a process set of 2) equal the numpy tree and are bitwise the same on every rank;
     DistributedGradientTape and the Keras optimizer combine gradients, the TF1 optimizer the
-    changes of 1 and 2 local steps; sparse, integer, 3-rank and gradient uses fail clearly."""
-    out = run_ranks(4, "tests/workers/hvd_adasum.py", timeout=500).stdout
-    assert out.count("] OK") == 4, out
+    changes of 1 and 2 local steps; sparse, integer, 3-rank and gradient uses fail clearly. On
+    4 ranks, and on 2 ranks under TensorFlow 2.15.1."""
+    hvd_launch.check(case)
 
 
-def test_elastic_programs_run_unchanged_on_a_fixed_set_of_ranks():
+@pytest.mark.parametrize("case", ELASTIC)
+@pytest.mark.parametrize("hvd_launch", ["2ranks-mpi", "tf215-2ranks-tcp"], indirect=True)
+def test_elastic_programs_run_unchanged_on_a_fixed_set_of_ranks(hvd_launch, case):
     """A custom loop with TensorFlowKerasState, Model.fit with KerasState and its callbacks, a
     TF1 Session with TensorFlowState: ranks that start apart get rank 0's state, train like one
-    process on the global batch, and restore() drops what was not committed."""
-    out = run_ranks(2, "tests/workers/hvd_elastic.py", timeout=400).stdout
-    assert out.count("] OK") == 2, out
-
-
-def test_adasum_elastic_and_local_variables_on_tf_2_15():
-    """TensorFlow 2.15.1 (tf.keras is Keras 2.15, no MPI: the TCP controller): the Adasum and
-    elastic workers and the new hvd_api checks, on 2 ranks."""
-    out = run_ranks(2, "tests/workers/hvd_checks.py", "hvd_adasum", "hvd_elastic",
-                    "hvd_api:check_tf1_local_variables,check_keras_optimizer_forwarding,"
-                    "check_homogeneous", timeout=600, controller="tcp",
-                    python=python_for("tf215")).stdout
-    assert out.count("] OK") == 2, out
+    process on the global batch, and restore() drops what was not committed. Under the
+    project's TensorFlow and TensorFlow 2.15.1."""
+    hvd_launch.check(case)
 
 
 def test_is_homogeneous_is_false_for_2_plus_1_hosts_and_adasum_refuses_3_ranks():

@@ -1,4 +1,8 @@
-"""join(): ranks with uneven amounts of data, on real multi-rank launches, checked against numpy."""
+"""join(): ranks with uneven amounts of data, on real multi-rank launches, checked against numpy.
+
+One launch per configuration (LAUNCHES) runs the named cases of tests/workers/join_core.py that
+the selected tests ask of it: each case is a test of its own, `-k` launches only what it
+selects."""
 
 from __future__ import annotations
 
@@ -6,28 +10,39 @@ import re
 import time
 
 import pytest
-from harness import run_ranks
+from harness import run_cases, run_ranks, selected_cases, worker_cases
+
+WORKER = "tests/workers/join_core.py"
+CASES = worker_cases(WORKER)
+SESSION = "session_allreduce_while_others_join"  # TensorFlow: on 2 ranks only
+CORE = [case for case in CASES if case != SESSION]
+# name: ranks, controller, the cases it runs (one launch each).
+LAUNCHES = {"2ranks-mpi": (2, "mpi", CASES), "3ranks-mpi": (3, "mpi", CORE),
+            "3ranks-tcp": (3, "tcp", CORE)}
 
 
-@pytest.mark.parametrize("np_, controller", [(2, "mpi"), (3, "mpi"), (3, "tcp")])
+@pytest.fixture(scope="module")
+def join_launch(request):
+    """The launch LAUNCHES[request.param] (a test's indirect parameter), once for the module,
+    running the cases the selected tests ask of it."""
+    ranks, controller, cases = LAUNCHES[request.param]
+    return run_cases(ranks, WORKER, selected_cases(request, cases), timeout=300,
+                     controller=controller)
+
+
+@pytest.mark.parametrize("case", CORE)
+@pytest.mark.parametrize("join_launch", list(LAUNCHES), indirect=True)
 def test_join_lets_ranks_with_less_data_finish_and_the_others_reduce_over_ranks_with_data(
-        np_, controller):
+        join_launch, case):
     """Uneven steps, every reduce op, fusion, allgather, broadcast, the errors for a joined root
     and alltoall, a request submitted before joining, join twice, shutdown during join."""
-    out = run_ranks(np_, "tests/workers/join_core.py", timeout=180,
-                    controller=controller).stdout
-    for rank in range(np_):
-        assert f"[rank {rank}] join core OK" in out, out
-    for rank in range(np_ - 1):
-        for case in ("broadcast from a joined root", "alltoall while a rank has joined",
-                     "join while a rank shuts down"):
-            assert f"[rank {rank}] {case}: got the expected error" in out, out
+    join_launch.check(case)
 
 
-def test_session_allreduce_completes_while_the_other_rank_is_in_join():
-    out = run_ranks(2, "tests/workers/join_tf.py", timeout=300).stdout
-    for rank in range(2):
-        assert f"[rank {rank}] join tf OK" in out, out
+@pytest.mark.parametrize("case", [SESSION])
+@pytest.mark.parametrize("join_launch", ["2ranks-mpi"], indirect=True)
+def test_session_allreduce_completes_while_the_other_rank_is_in_join(join_launch, case):
+    join_launch.check(case)
 
 
 def test_rank_killed_during_join_ends_the_job_within_30_seconds_naming_it():

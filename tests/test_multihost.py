@@ -36,6 +36,7 @@ from harness import (
     tf_config_cluster,
     tf_config_env,
     wait_all,
+    worker_cases,
 )
 
 from perseusrun import emulate, launch
@@ -91,7 +92,8 @@ def assert_two_by_two(out: str) -> dict:
     assert sorted(hosts) == [0, 1, 2, 3], out
     assert hosts[0] == hosts[1] != hosts[2] == hosts[3], hosts
     for rank in range(4):
-        assert f"[rank {rank}] core collectives OK" in out, out
+        for case in worker_cases("tests/workers/core_collectives.py"):
+            assert f"[rank {rank}] CASE {case}: OK" in out, out
     return hosts
 
 

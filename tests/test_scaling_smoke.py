@@ -15,8 +15,8 @@ import subprocess
 import sys
 
 import pytest
-import scaling_model
 import scaling_projection
+from bench_common import scaling_model
 from harness import ROOT, failure_summary, launch_env, needs_emulation
 
 BENCHMARKS = ROOT / "benchmarks"

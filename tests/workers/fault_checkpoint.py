@@ -40,7 +40,7 @@ import time
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.training.saver import BulkSaverBuilder
-from worker_util import write_resumed
+from worker_util import linear_momentum_spec, one_thread_estimator, write_resumed
 
 EVERY, TOTAL_STEPS = 3, 12
 FAULT_STEP = 7  # not a checkpoint step: the last checkpoint before the fault is step 6
@@ -105,22 +105,18 @@ class _DieAfterShardsWritten(BulkSaverBuilder):
         return np.int64(0)
 
 
-def make_model_fn(rank: int, phase: str):
-    init = initial_values(rank, phase)
-
+def make_model_fn(phase: str):
     def model_fn(features, labels, mode):
-        w = tf.compat.v1.get_variable("w", initializer=tf.constant(init["w"]))
-        b = tf.compat.v1.get_variable("b", initializer=tf.constant(init["b"]))
-        loss = tf.compat.v1.losses.mean_squared_error(labels, tf.matmul(features["x"], w) + b)
-        train_op = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM).minimize(
-            loss, global_step=tf.compat.v1.train.get_global_step())
+        rank = pl.rank()  # run_config() has initialized perseus_legacy by now
+        init = initial_values(rank, phase)
         scaffold = None
         if phase == "kill_saving" and rank == 0:
             # The Estimator's own saver, but for the builder (sharded, relative paths, 5 kept).
             scaffold = tf.compat.v1.train.Scaffold(saver=tf.compat.v1.train.Saver(
                 sharded=True, max_to_keep=5, save_relative_paths=True, defer_build=True,
                 builder=_DieAfterShardsWritten(SAVE_FAULT_STEP)))
-        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op, scaffold=scaffold)
+        return linear_momentum_spec(mode, features["x"], labels, init, LEARNING_RATE, MOMENTUM,
+                                    scaffold)
 
     return model_fn
 
@@ -185,12 +181,7 @@ class Progress(tf.compat.v1.train.SessionRunHook):
 
 def make_estimator(model_dir: str, phase: str) -> tf.estimator.Estimator:
     """This rank's Estimator: run_config(), a checkpoint every EVERY steps, one thread."""
-    config = pl.run_config(
-        model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
-        log_step_count_steps=None,
-        session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                                inter_op_parallelism_threads=1))
-    return tf.estimator.Estimator(make_model_fn(pl.rank(), phase), config=config)
+    return one_thread_estimator(make_model_fn(phase), model_dir, EVERY)
 
 
 def main() -> None:

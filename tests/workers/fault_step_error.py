@@ -30,9 +30,9 @@ import time
 import numpy as np
 import tensorflow as tf
 
-from restart_estimator import EVERY, LEARNING_RATE, MOMENTUM, TOTAL_STEPS, initial_values
-from restart_estimator import input_fn, reference
-from worker_util import wait_until
+import restart_estimator
+from restart_estimator import EVERY, TOTAL_STEPS, input_fn, reference
+from worker_util import one_thread_estimator, wait_until
 
 BAD_STEP = 6
 REPORT_WAIT_SECS = 60
@@ -49,13 +49,7 @@ def model_fn_with_bad_step(bad_ranks: tuple):
             check = tf.debugging.Assert(tf.not_equal(step, BAD_STEP), [step], name="bad_batch")
             with tf.control_dependencies([check]):
                 x = tf.identity(x)
-        init = initial_values(pl.rank())
-        w = tf.compat.v1.get_variable("w", initializer=tf.constant(init["w"]))
-        b = tf.compat.v1.get_variable("b", initializer=tf.constant(init["b"]))
-        loss = tf.compat.v1.losses.mean_squared_error(labels, tf.matmul(x, w) + b)
-        train_op = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM).minimize(
-            loss, global_step=tf.compat.v1.train.get_global_step())
-        return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+        return restart_estimator.model_fn({"x": x}, labels, mode)
 
     return model_fn
 
@@ -83,12 +77,7 @@ class FinalValues(tf.compat.v1.train.SessionRunHook):
 
 
 def estimator(model_dir: str, bad_ranks: tuple) -> tf.estimator.Estimator:
-    config = pl.run_config(
-        model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
-        log_step_count_steps=None,
-        session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                                inter_op_parallelism_threads=1))
-    return tf.estimator.Estimator(model_fn_with_bad_step(bad_ranks), config=config)
+    return one_thread_estimator(model_fn_with_bad_step(bad_ranks), model_dir, EVERY)
 
 
 def say(rank: int, case: str, verdict: str) -> None:

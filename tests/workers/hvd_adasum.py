@@ -5,7 +5,8 @@ tensors, scale factors, fp16 compression, a process set), bitwise the same on ev
 DistributedGradientTape, the Keras DistributedOptimizer (directly and through
 perseus_legacy.DistributedOptimizer) and the TF1 DistributedOptimizer, whose Adasum combines
 the variables' changes after local steps (1 and 2 passes, in a graph; 1 eagerly). The errors:
-sparse and integer tensors, reducescatter, gradients, a non-power-of-2 process set.
+sparse and integer tensors, reducescatter, gradients, a non-power-of-2 process set. Named cases,
+run by hvd_checks.py.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -14,7 +15,6 @@ import perseus_legacy as hvd
 
 import numpy as np
 import tensorflow as tf
-from hvd_checks import run_checks
 from worker_util import agree, assert_close, expect_error, fail, rank_data
 
 import perseus_legacy.keras as hvd_keras
@@ -254,13 +254,6 @@ def check_tf1_optimizer(rank: int, size: int) -> None:
                  ValueError, "average_aggregated_gradients")
 
 
-CHECKS = (check_allreduce, check_process_sets_and_errors, check_gradient_tape,
-          check_keras_optimizer, check_tf1_optimizer)
-
-
-def main() -> None:
-    run_checks(CHECKS)
-
-
-if __name__ == "__main__":
-    main()
+# The cases, in the order they run: hvd_checks.py runs `hvd_adasum.<case>` as check_<case>.
+CASES = ("allreduce", "process_sets_and_errors", "gradient_tape", "keras_optimizer",
+         "tf1_optimizer")

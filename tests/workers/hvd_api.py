@@ -4,8 +4,8 @@ reducescatter (uneven rows, scale factors, gradients), grouped_allgather, broadc
 collectives, the *_op queries, the *_built flags, IndexedSlices rules, deprecated arguments,
 TF1 DistributedOptimizer predivision, DistributedGradientTape and its partial variant in a
 tf.function train step, SyncBatchNormalization, TF1 register_local_var, the Keras optimizer given
-to perseus_legacy.DistributedOptimizer, and is_homogeneous. Any mismatch exits non-zero naming the
-rank.
+to perseus_legacy.DistributedOptimizer, and is_homogeneous. Named cases, run by hvd_checks.py; a
+mismatch fails its case naming the rank.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -17,7 +17,6 @@ import warnings
 
 import numpy as np
 import tensorflow as tf
-from hvd_checks import run_checks
 from worker_util import assert_close, expect_error, fail, rank_data
 
 from perseus_legacy.keras.keras2 import keras
@@ -352,15 +351,7 @@ def check_sync_batch_norm(rank: int, size: int) -> None:
                  lambda: hvd.SyncBatchNormalization(fused=True), ValueError, "fused")
 
 
-CHECKS = (check_reducescatter, check_gather_broadcast_objects, check_queries,
-          check_sparse_and_arguments, check_tf1_predivide, check_tf1_local_variables,
-          check_keras_optimizer_forwarding, check_homogeneous, check_distributed_gradient_tape,
-          check_partial_tape, check_sync_batch_norm)
-
-
-def main() -> None:
-    run_checks(CHECKS)
-
-
-if __name__ == "__main__":
-    main()
+# The cases, in the order they run: hvd_checks.py runs `hvd_api.<case>` as check_<case>.
+CASES = ("reducescatter", "gather_broadcast_objects", "queries", "sparse_and_arguments",
+         "tf1_predivide", "tf1_local_variables", "keras_optimizer_forwarding", "homogeneous",
+         "distributed_gradient_tape", "partial_tape", "sync_batch_norm")

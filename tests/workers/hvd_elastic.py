@@ -5,7 +5,8 @@ Every rank starts from other values (model, optimizer slots, state attributes); 
 must give every rank rank 0's, and training must then equal one process on the global batch.
 A custom loop with TensorFlowKerasState and commits per batch, Model.fit with KerasState and
 the Commit/UpdateBatch/UpdateEpoch callbacks, and a tf.compat.v1 Session with TensorFlowState;
-restore() returns to the last commit, dropping a step taken after it.
+restore() returns to the last commit, dropping a step taken after it. Named cases, run by
+hvd_checks.py.
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -15,7 +16,6 @@ from keras_common import hvd as hvd_keras
 
 import numpy as np
 import tensorflow as tf
-from hvd_checks import run_checks
 from worker_util import agree, assert_close, fail, rank_data
 
 import perseus_legacy as hvd
@@ -201,12 +201,5 @@ def check_tf1_session(rank: int, size: int) -> None:
     print("TF1 session: rank 0's start, numpy result, restore", flush=True)
 
 
-CHECKS = (check_custom_loop, check_keras_fit, check_tf1_session)
-
-
-def main() -> None:
-    run_checks(CHECKS, shutdown=True)
-
-
-if __name__ == "__main__":
-    main()
+# The cases, in the order they run: hvd_checks.py runs `hvd_elastic.<case>` as check_<case>.
+CASES = ("custom_loop", "keras_fit", "tf1_session")

@@ -3,7 +3,7 @@
 backward_passes_per_step (summed and averaged) equals single-process fit on the global batch;
 PartialDistributedOptimizer and BroadcastGlobalVariablesCallback(local_variables) keep a local
 layer per rank; LearningRateScheduleCallback sets Horovod's staircase rates;
-BestModelCheckpoint saves on rank 0 only. argv[1]: a directory shared by the ranks.
+BestModelCheckpoint saves on rank 0 only. Named cases, run by hvd_checks.py.
 """
 
 from __future__ import annotations  # noqa: I001
@@ -12,11 +12,13 @@ import keras_common as kc
 from keras_common import hvd
 
 import os
-import sys
+import shutil
+import tempfile
 
 import numpy as np
 from worker_util import agree, barrier, fail
 
+from perseus_legacy import broadcast_object
 from perseus_legacy.keras.keras2 import keras
 
 EPOCHS = 2
@@ -50,7 +52,7 @@ def check_backward_passes(mode: str, average: bool) -> None:
     barrier(case)
 
 
-def check_local_layer() -> None:
+def check_local_layer(rank: int, size: int) -> None:
     keras.utils.set_random_seed(100 + hvd.rank())  # every rank starts from other weights
     shared = keras.layers.Dense(4, activation="tanh")
     local = keras.layers.Dense(kc.CLASSES)
@@ -69,7 +71,31 @@ def check_local_layer() -> None:
     print("local layer: shared weights equal, local weights per rank", flush=True)
 
 
-def check_schedule_and_best_checkpoint(shared_dir: str) -> None:
+def check_backward_passes_averaged_graph(rank: int, size: int) -> None:
+    check_backward_passes("graph", average=True)
+
+
+def check_backward_passes_averaged_eager(rank: int, size: int) -> None:
+    check_backward_passes("eager", average=True)
+
+
+def check_backward_passes_summed_graph(rank: int, size: int) -> None:
+    check_backward_passes("graph", average=False)
+
+
+def check_schedule_and_best_checkpoint(rank: int, size: int) -> None:
+    """In a directory rank 0 makes and names to the others (the ranks share a host)."""
+    shared_dir = broadcast_object(tempfile.mkdtemp(prefix="hvd_keras_") if rank == 0 else None,
+                                  root_rank=0)
+    try:
+        schedule_and_best_checkpoint(shared_dir)
+    finally:
+        barrier("best checkpoint read")
+        if rank == 0:
+            shutil.rmtree(shared_dir, ignore_errors=True)
+
+
+def schedule_and_best_checkpoint(shared_dir: str) -> None:
     lrs = []
 
     class Record(keras.callbacks.Callback):
@@ -100,16 +126,6 @@ def check_schedule_and_best_checkpoint(shared_dir: str) -> None:
     print("schedule and best checkpoint: ok", flush=True)
 
 
-def main() -> None:
-    hvd.init()
-    for mode in ("graph", "eager"):
-        check_backward_passes(mode, average=True)
-    check_backward_passes("graph", average=False)
-    check_local_layer()
-    check_schedule_and_best_checkpoint(sys.argv[1])
-    print(f"[rank {hvd.rank()}] OK", flush=True)
-    hvd.shutdown()
-
-
-if __name__ == "__main__":
-    main()
+# The cases, in the order they run: hvd_checks.py runs `hvd_keras.<case>` as check_<case>.
+CASES = ("backward_passes_averaged_graph", "backward_passes_averaged_eager",
+         "backward_passes_summed_graph", "local_layer", "schedule_and_best_checkpoint")

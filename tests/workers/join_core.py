@@ -4,16 +4,29 @@ Phase 1: rank r runs 5 + 3r allreduce steps, then joins; each step's result is n
 the ranks still running, and take_peer_joined() says whether a rank was missing. Phase 2 (join
 again in the same job): the last rank joins at once and the others run every reduce op, fused
 and prescaled allreduces, allgather, broadcast and the errors for a joined broadcast root and
-for alltoall. Phase 3: a request submitted before joining keeps its data. Phase 4: the last rank
-shuts down while the others are in join().
+for alltoall. Phase 3: a request submitted before joining keeps its data. Then TF graph
+allreduces in a Session complete while the other ranks are in join(). Last: the last rank shuts
+down while the others are in join().
+
+argv[1:]: the CASES to run (default: all), in CASES' order; each prints `[rank R] CASE name: OK`
+or `... FAILED: why` (worker_util.run_cases).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import numpy as np
-from worker_util import assert_close, expect_error, fail, rank_data
+from worker_util import (
+    assert_close,
+    expect_error,
+    fail,
+    launcher_rank,
+    rank_data,
+    run_cases,
+    wanted_cases,
+)
 
 import perseus_legacy as pl
 from perseus_legacy import _core
@@ -147,24 +160,74 @@ def shutdown_while_others_join(rank: int, size: int) -> None:
                  RuntimeError, f"rank {leaver} shut down")
 
 
-def main() -> None:
+def join_before_init(rank: int) -> None:
     try:
         pl.join()
     except pl.NotInitializedError as exc:
         if "init()" not in str(exc):
-            fail(-1, f"join before init: unhelpful message {exc}")
+            fail(rank, f"join before init: unhelpful message {exc}")
     else:
-        fail(-1, "join before init did not raise NotInitializedError")
-    pl.init()
-    rank, size = pl.rank(), pl.size()
-    uneven_steps(rank, size)
-    with_a_joined_rank(rank, size)
-    submitted_before_joining(rank, size)
+        fail(rank, "join before init did not raise NotInitializedError")
+
+
+def allreduce_after_the_joins(rank: int, size: int) -> None:
     got = _core.allreduce(np.full(2, rank + 1.0), "after.joins", op=pl.Sum)
     assert_close(rank, "a normal allreduce after the joins", got,
                  np.full(2, size * (size + 1) / 2.0))
-    shutdown_while_others_join(rank, size)
-    print(f"[rank {rank}] join core OK", flush=True)
+
+
+def session_allreduce_while_others_join(rank: int, size: int) -> None:
+    """TF graph allreduces in a tf.compat.v1 Session complete while the other ranks are in
+    join(): rank 0 runs three session steps of two allreduces (Average, Sum; fused in one step)
+    after every other rank has joined, whose results are numpy's over rank 0's data alone."""
+    import tensorflow as tf  # only this case needs TensorFlow
+
+    tf.compat.v1.disable_eager_execution()
+    graph = tf.Graph()
+    with graph.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, shape=(4, 3))
+        average = pl.allreduce(x, op=pl.Average)
+        total = pl.allreduce(2.0 * x, op=pl.Sum)
+    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                      inter_op_parallelism_threads=2)
+    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+        feed = rank_data(rank, (4, 3), np.float32)
+        got_average, _ = sess.run([average, total], {x: feed})
+        everyone = [rank_data(r, (4, 3), np.float32) for r in range(size)]
+        assert_close(rank, "Session allreduce before joining", got_average,
+                     np.mean(everyone, axis=0), rtol=1e-6)
+        if rank == 0:
+            for step in range(3):
+                feed = rank_data(0, (4, 3), np.float32, seed=step + 1)
+                got_average, got_total = sess.run([average, total], {x: feed})
+                assert_close(rank, f"Session step {step}: Average while the others are joined",
+                             got_average, feed, rtol=1e-6)
+                assert_close(rank, f"Session step {step}: Sum while the others are joined",
+                             got_total, 2.0 * feed, rtol=1e-6)
+        check_join_returns(rank, "Session allreduces while the others are joined", 0)
+
+
+# The cases, in the order they run: join_before_init first (before init()), the shutdown last.
+CASES = ("join_before_init", "uneven_steps", "with_a_joined_rank", "submitted_before_joining",
+         "allreduce_after_the_joins", "session_allreduce_while_others_join",
+         "shutdown_while_others_join")
+
+
+def main() -> None:
+    names = wanted_cases(CASES, sys.argv[1:])
+    failed = []
+    if "join_before_init" in names:
+        failed += run_cases(launcher_rank(), {"join_before_init":
+                                              lambda: join_before_init(launcher_rank())},
+                            ["join_before_init"])
+    pl.init()
+    rank, size = pl.rank(), pl.size()
+    phases = (uneven_steps, with_a_joined_rank, submitted_before_joining,
+              allreduce_after_the_joins, session_allreduce_while_others_join,
+              shutdown_while_others_join)
+    cases = {phase.__name__: (lambda phase=phase: phase(rank, size)) for phase in phases}
+    failed += run_cases(rank, cases, [name for name in names if name != "join_before_init"])
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""tests/workers/core_collectives.py on emulated hosts: the same numpy checks, with the rank
-layout of HOSTS hosts x SLOTS ranks (mpirun's by-slot placement) instead of one host.
+"""tests/workers/core_collectives.py on emulated hosts: the same numpy checks (every case), with
+the rank layout of HOSTS hosts x SLOTS ranks (mpirun's by-slot placement) instead of one host
+in the case `topology`.
 
 Usage: multihost_collectives.py HOSTS SLOTS
 """
@@ -30,4 +31,4 @@ def check_layout(rank: int, size: int) -> None:
 
 if __name__ == "__main__":
     core_collectives.check_topology = check_layout
-    core_collectives.main()
+    core_collectives.main([])

@@ -9,10 +9,10 @@ alltoall with splits, reducescatter, the object collectives; a rank outside a se
 naming itself and the set; members disagreeing on a shape all get the error naming the ranks;
 add_process_set or remove_process_set calls that differ fail on every rank; remove_process_set; a
 DistributedGradientTape step, a TF1 DistributedOptimizer step and a Keras Model.fit on a set
-equal one process on the set's global batch; join() covers the global set only. Argument
-"basic" runs the queries, the step and the tape only; "stall" (with
-PERSEUS_STALL_SHUTDOWN_SECS) checks that a set's stalled collective fails naming its missing
-members only. Any mismatch exits non-zero naming the rank.
+equal one process on the set's global batch; join() covers the global set only; "stall" (with
+PERSEUS_STALL_SHUTDOWN_SECS, in a launch of its own) checks that a set's stalled collective fails
+naming its missing members only. argv[1:]: the CASES to run (default: all but "stall"), in
+CASES' order; each prints `[rank R] CASE name: OK` or `... FAILED: why` (worker_util.run_cases).
 """
 
 from __future__ import annotations  # noqa: I001 (import order below is deliberate)
@@ -23,7 +23,8 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, expect_error, fail, rank_data
+from worker_util import (assert_close, expect_error, fail, launcher_rank, rank_data, run_cases,
+                         wanted_cases)
 
 
 def check_queries(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> None:
@@ -305,33 +306,51 @@ def check_stall(rank: int, size: int) -> None:
                  np.float32([size]))
 
 
+def check_last_global_allreduce(rank: int, size: int) -> None:
+    """A rank that exits shuts the runtime down for every rank, members of other sets too: the
+    last collective is a global one (main() runs this case last, selected or not)."""
+    assert_close(rank, "last global allreduce",
+                 hvd.allreduce(np.float32([1.0]), op=hvd.Sum, name="last").numpy(),
+                 np.float32([size]))
+
+
+# The cases, in the order they run. "stall" runs alone (no set registered at init); the others
+# share A and B, and the last is a global collective.
+CASES = ("queries", "concurrent_step", "tape", "collectives", "errors", "tf1_optimizer",
+         "keras_optimizer", "remove_and_join", "stall", "last_global_allreduce")
+
+
+def named_cases(rank: int, size: int, a: hvd.ProcessSet, b: hvd.ProcessSet) -> dict:
+    """The cases that run with A and B registered, by name."""
+    return {
+        "queries": lambda: check_queries(rank, size, a, b),
+        "concurrent_step": lambda: check_concurrent_step(rank, size, a, b),
+        "tape": lambda: check_tape(rank, size, b),
+        "collectives": lambda: check_collectives(rank, size, a, b),
+        "errors": lambda: check_errors(rank, size, a, b),
+        "tf1_optimizer": lambda: check_tf1_optimizer(rank, size, a),
+        "keras_optimizer": lambda: check_keras_optimizer(rank, size, b),
+        "remove_and_join": lambda: check_remove_and_join(rank, size, b),
+        "last_global_allreduce": lambda: check_last_global_allreduce(rank, size),
+    }
+
+
 def main() -> None:
-    mode = sys.argv[1] if len(sys.argv) > 1 else "full"
-    if mode == "stall":
+    names = wanted_cases(CASES, sys.argv[1:], [name for name in CASES if name != "stall"])
+    if names == ["stall"]:
         hvd.init()
-        check_stall(hvd.rank(), hvd.size())
-        print(f"[rank {hvd.rank()}] OK", flush=True)
-        return
-    basic = mode == "basic"
+        failed = run_cases(hvd.rank(), {"stall": lambda: check_stall(hvd.rank(), hvd.size())})
+        sys.exit(1 if failed else 0)
+    if "stall" in names:
+        fail(launcher_rank(), "the stall case runs in a launch of its own")
     a = hvd.ProcessSet([2, 0])
     hvd.init(process_sets=[a])
     rank, size = hvd.rank(), hvd.size()
     b = hvd.add_process_set(list(range(1, size)) if size == 4 else [1, 2])
-    check_queries(rank, size, a, b)
-    check_concurrent_step(rank, size, a, b)
-    check_tape(rank, size, b)
-    if not basic:
-        check_collectives(rank, size, a, b)
-        check_errors(rank, size, a, b)
-        check_tf1_optimizer(rank, size, a)
-        check_keras_optimizer(rank, size, b)
-        check_remove_and_join(rank, size, b)
-    # A rank that exits shuts the runtime down for every rank, members of other sets too: the
-    # last collective is a global one.
-    assert_close(rank, "last global allreduce",
-                 hvd.allreduce(np.float32([1.0]), op=hvd.Sum, name="last").numpy(),
-                 np.float32([size]))
-    print(f"[rank {rank}] OK", flush=True)
+    if "last_global_allreduce" not in names:
+        names.append("last_global_allreduce")
+    failed = run_cases(rank, named_cases(rank, size, a, b), names)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

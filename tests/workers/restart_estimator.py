@@ -28,7 +28,8 @@ import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import write_resumed
+from worker_util import (linear_momentum_spec, momentum_trajectory, one_thread_estimator,
+                         write_resumed)
 
 FIRST_SIZE, EVERY, TOTAL_STEPS, FAULT_STEP = 4, 4, 9, 5
 PER_RANK, FEATURES = 2, 3
@@ -55,23 +56,10 @@ def reference(sizes: list) -> list:
     """The variables after each step 0..TOTAL_STEPS when step s runs on sizes[s] ranks:
     Momentum on the mean squared error of that step's global batch, in float64, from the first
     run's rank 0 values."""
-    x, y = (a.astype(np.float64) for a in pools())
-    init = initial_values(0)
-    w, b = init["w"].astype(np.float64), init["b"].astype(np.float64)
-    w_slot, b_slot = np.zeros_like(w), np.zeros_like(b)
-    states = []
-    for step in range(TOTAL_STEPS + 1):
-        states.append({"w": w, "b": b, "w/Momentum": w_slot, "b/Momentum": b_slot,
-                       "global_step": np.int64(step)})
-        if step == TOTAL_STEPS:
-            break
-        rows = slice(0, sizes[step] * PER_RANK)
-        error = x[step, rows] @ w + b - y[step, rows]
-        w_grad = 2 * x[step, rows].T @ error / len(error)
-        b_grad = 2 * error.sum(axis=0) / len(error)
-        w_slot, b_slot = MOMENTUM * w_slot + w_grad, MOMENTUM * b_slot + b_grad
-        w, b = w - LEARNING_RATE * w_slot, b - LEARNING_RATE * b_slot
-    return states
+    x, y = pools()
+    rows = [slice(0, sizes[step] * PER_RANK) for step in range(TOTAL_STEPS)]
+    return momentum_trajectory([(x[step, r], y[step, r]) for step, r in enumerate(rows)],
+                               initial_values(0), LEARNING_RATE, MOMENTUM)
 
 
 def input_fn(rank: int):
@@ -86,13 +74,8 @@ def input_fn(rank: int):
 
 
 def model_fn(features, labels, mode):
-    init = initial_values(pl.rank())
-    w = tf.compat.v1.get_variable("w", initializer=tf.constant(init["w"]))
-    b = tf.compat.v1.get_variable("b", initializer=tf.constant(init["b"]))
-    loss = tf.compat.v1.losses.mean_squared_error(labels, tf.matmul(features["x"], w) + b)
-    train_op = tf.compat.v1.train.MomentumOptimizer(LEARNING_RATE, MOMENTUM).minimize(
-        loss, global_step=tf.compat.v1.train.get_global_step())
-    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op)
+    return linear_momentum_spec(mode, features["x"], labels, initial_values(pl.rank()),
+                                LEARNING_RATE, MOMENTUM)
 
 
 def check_updates_wait_for_whole_step(graph) -> None:
@@ -149,12 +132,7 @@ class Progress(tf.compat.v1.train.SessionRunHook):
 def main() -> None:
     model_dir, out = sys.argv[1:3]
     killed_ranks = [int(r) for r in (sys.argv[3] if len(sys.argv) > 3 else "0").split(",")]
-    config = pl.run_config(
-        model_dir=model_dir, save_checkpoints_steps=EVERY, save_summary_steps=0,
-        log_step_count_steps=None,
-        session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                                inter_op_parallelism_threads=1))
-    estimator = tf.estimator.Estimator(model_fn, config=config)
+    estimator = one_thread_estimator(model_fn, model_dir, EVERY)
     progress = Progress(killed_ranks, out)
     estimator.train(input_fn(pl.rank()), max_steps=TOTAL_STEPS, hooks=[progress])
     write_resumed(out, pl.rank(), progress.record, progress.values, f" on {pl.size()} ranks")

@@ -11,14 +11,13 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 import perseus_legacy as pl
 from perseus_legacy.tensorflow import collectives as pl_ops
 
-import os
 import random
 import re
 import sys
 
 import numpy as np
 import tensorflow as tf
-from worker_util import assert_close, fail, rank_data, run_cases
+from worker_util import assert_close, fail, launcher_rank, rank_data, run_cases
 
 BF16 = tf.bfloat16.as_numpy_dtype
 REDUCIBLE = [np.float16, BF16, np.float32, np.float64, np.int32, np.int64, np.uint8, np.int8,
@@ -434,8 +433,7 @@ def main() -> None:
     names = sys.argv[1:] or CASES
     failed = []
     if "before_init" in names:  # it runs before init(), so first
-        rank_env = int(os.environ.get("OMPI_COMM_WORLD_RANK",
-                                      os.environ.get("PERSEUS_TCP_RANK", "0")))
+        rank_env = launcher_rank()
         failed += run_cases(rank_env, {"before_init": lambda: check_before_init(rank_env)},
                             ["before_init"])
     pl.init()

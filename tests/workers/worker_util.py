@@ -1,6 +1,7 @@
 """The helpers of the scripts that run on every rank (tests/workers/*.py): checks that name the
 rank, expected errors, seeded data and the reductions numpy expects of it, a barrier, agreement
-across ranks, the files a rank wrote.
+across ranks, the files a rank wrote, the linear Estimator of the fault and restart workers and
+its numpy trajectory.
 
 The launching side's helpers are in tests/harness.py.
 """
@@ -54,6 +55,23 @@ def run_cases(rank: int, cases: dict[str, Callable[[], None]],
             failed.append(name)
         print(f"[rank {rank}] CASE {name}: {verdict}", flush=True)
     return failed
+
+
+def launcher_rank() -> int:
+    """This process's rank as its launcher set it (mpirun or perseusrun --tcp), for what runs
+    before init(); 0 when no launcher set one."""
+    return int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PERSEUS_TCP_RANK", "0")))
+
+
+def wanted_cases(cases: Sequence[str], wanted: Sequence[str],
+                 default: Sequence[str] | None = None) -> list[str]:
+    """Of a worker's `cases`, those `wanted` (its argv; if none, `default`, else all) in the
+    order of `cases`; fails naming the unknown ones."""
+    wanted = list(wanted) or list(cases if default is None else default)
+    unknown = sorted(set(wanted) - set(cases))
+    if unknown:
+        fail(launcher_rank(), f"unknown cases {unknown}; known: {list(cases)}")
+    return [name for name in cases if name in wanted]
 
 
 # The reduce ops' numbers (those of _core and perseus_legacy), the numeric dtypes, and what a
@@ -172,6 +190,58 @@ def write_resumed(out: str, rank: int, record: dict, values: dict, note: str = "
         json.dump(record, f)
     print(f"[rank {rank}] resumed at step {record['start_step']}, ended at "
           f"{record['end_step']}{note}", flush=True)
+
+
+# ---- the linear Estimator of the fault and restart workers ---------------------------------------
+
+def linear_momentum_spec(mode, x, labels, init: dict, learning_rate: float, momentum: float,
+                         scaffold=None):
+    """The EstimatorSpec of `x @ w + b` (w and b start at init["w"], init["b"]): its mean
+    squared error minimized by Momentum, the global step counted."""
+    import tensorflow as tf
+
+    w = tf.compat.v1.get_variable("w", initializer=tf.constant(init["w"]))
+    b = tf.compat.v1.get_variable("b", initializer=tf.constant(init["b"]))
+    loss = tf.compat.v1.losses.mean_squared_error(labels, tf.matmul(x, w) + b)
+    train_op = tf.compat.v1.train.MomentumOptimizer(learning_rate, momentum).minimize(
+        loss, global_step=tf.compat.v1.train.get_global_step())
+    return tf.estimator.EstimatorSpec(mode, loss=loss, train_op=train_op, scaffold=scaffold)
+
+
+def one_thread_estimator(model_fn, model_dir: str, checkpoint_every: int):
+    """An unchanged tf.estimator.Estimator of `model_fn` with perseus_legacy.run_config(): a
+    checkpoint every `checkpoint_every` steps, no summaries or step-rate logs, one thread."""
+    import tensorflow as tf  # the workers imported perseus_legacy first (tf.estimator on 2.16+)
+
+    import perseus_legacy as pl
+
+    config = pl.run_config(
+        model_dir=model_dir, save_checkpoints_steps=checkpoint_every, save_summary_steps=0,
+        log_step_count_steps=None,
+        session_config=tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
+                                                inter_op_parallelism_threads=1))
+    return tf.estimator.Estimator(model_fn, config=config)
+
+
+def momentum_trajectory(batches: list, init: dict, learning_rate: float,
+                        momentum: float) -> list[dict]:
+    """linear_momentum_spec()'s variables after each step 0..len(batches) of one process, in
+    float64 numpy: step s trains on batches[s] = (x, y), its whole global batch."""
+    w, b = init["w"].astype(np.float64), init["b"].astype(np.float64)
+    w_slot, b_slot = np.zeros_like(w), np.zeros_like(b)
+    states = []
+    for step in range(len(batches) + 1):
+        states.append({"w": w, "b": b, "w/Momentum": w_slot, "b/Momentum": b_slot,
+                       "global_step": np.int64(step)})
+        if step == len(batches):
+            break
+        x, y = (a.astype(np.float64) for a in batches[step])
+        error = x @ w + b - y
+        w_grad = 2 * x.T @ error / len(error)
+        b_grad = 2 * error.sum(axis=0) / len(error)
+        w_slot, b_slot = momentum * w_slot + w_grad, momentum * b_slot + b_grad
+        w, b = w - learning_rate * w_slot, b - learning_rate * b_slot
+    return states
 
 
 def files_under(path: str) -> list:

@@ -18,6 +18,8 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from .emulated import BUILT, CONNECT, GO, READY
+
 FEATURES = 1024
 HIDDEN = 2048
 CLASSES = 10
@@ -117,10 +119,10 @@ class StartTogether(tf.compat.v1.train.SessionRunHook):
     up, and sends `go` to all at once, so that every task takes its first step together."""
 
     def begin(self) -> None:
-        self._hold("BUILT", "connect")
+        self._hold(BUILT, CONNECT)
 
     def after_create_session(self, session, coord) -> None:
-        self._hold("READY", "go")
+        self._hold(READY, GO)
 
     @staticmethod
     def _hold(announce: str, expected: str) -> None:

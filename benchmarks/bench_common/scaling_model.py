@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # benchmarks/
 PROFILES = HERE / "scaling_profiles"
 DELAY_SOURCE = HERE / "scaling_delay_op.cc"
 BUILD_DIR = HERE.parent / "build" / "scaling_delay_op"
