@@ -200,7 +200,11 @@ def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun
     assert code == supervise.ABORT_EXIT_CODE, out
     assert "UNEXPECTED" not in out, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
-    assert f"rank 1 was lost; saved global step {worker.FAULT_STEP}" in out, out
+    # Behind a cut link rank 1 lives on and sees rank 0 lost too: whichever claims first saves
+    # step 7 (the same variables; the checks below read what was saved).
+    step = worker.FAULT_STEP
+    assert re.search(rf"rank 1 was lost; (saved global step {step}|rank 1 saves the last "
+                     rf"completed step \(global step {step}\))", out), out
     expected = trajectory(worker)
     saved = [*range(0, worker.FAULT_STEP + 1, worker.EVERY), worker.FAULT_STEP]
     assert_whole_checkpoints(tf, model_dir, saved, expected)

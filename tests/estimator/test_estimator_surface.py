@@ -195,6 +195,9 @@ def test_a_hook_exception_on_one_rank_is_raised_by_every_rank_naming_that_rank_a
     assert re.search(rf"{error}: ", said[1]) and "perseus_legacy" not in said[1], said
     assert re.search(rf"{error}: .*\n.*{hook}\.after_run raised {error} on rank 1 at global "
                      r"step 3; every rank raises it", said[0]), said
+    own = said[1].split(": ", 1)[1].strip()  # rank 1's message, one process's
+    if own != "NaN loss during training.":  # a class that keeps no message of its own
+        assert f"rank 1 failed: {error}: {own} ({hook}.after_run, global step 3)" in said[0], said
 
 
 @pytest.mark.parametrize("case", surface.cases(surface.REFUSED))
