@@ -16,7 +16,16 @@ import sys
 from hashlib import sha256
 
 import pytest
-from harness import ROOT, WORKERS, finish, rank_env, run_ranks, task_env, worker_module
+from harness import (
+    ROOT,
+    WORKERS,
+    finish,
+    rank_env,
+    run_ranks,
+    task_env,
+    tf_config_cluster,
+    worker_module,
+)
 
 from perseus_legacy.common import tf_config
 from perseusrun import launch, supervise, tcp_run
@@ -208,12 +217,8 @@ def start_tasks(cluster: dict, tasks: list, mode: str, env: dict | None = None,
 
 
 def cluster_of(ranks: int, evaluator: bool = False) -> dict:
-    ports = tcp_run.free_local_ports(ranks + evaluator)
-    cluster = {"chief": [f"127.0.0.1:{ports[0]}"],
-               "worker": [f"127.0.0.1:{p}" for p in ports[1:ranks]]}
-    if evaluator:
-        cluster["evaluator"] = [f"127.0.0.1:{ports[-1]}"]
-    return cluster
+    tasks = [("chief", 0), *(("worker", i) for i in range(ranks - 1))]
+    return tf_config_cluster(tasks + [("evaluator", 0)] * evaluator)
 
 
 @pytest.fixture(scope="module")
