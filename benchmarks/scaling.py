@@ -64,6 +64,7 @@ class System:
     launch: str  # perseusrun, parameter_servers, gloo or mwms
     python: str  # product (--product-tf), main (TF 2.21), tf215 or peers
     tcp: bool = False
+    env: tuple = ()  # (name, value) pairs every rank gets
 
     @property
     def slots_supported(self) -> bool:
@@ -76,6 +77,10 @@ SYSTEMS = {
                              "product"),
     "run_config_tcp": System("Estimator + hvd.run_config(), TCP", "run_config", "perseusrun",
                              "product", tcp=True),
+    "run_config_tcp_ring": System("Estimator + hvd.run_config(), TCP, the flat ring only "
+                                  "(PERSEUS_ALLREDUCE_ALGORITHM=ring)", "run_config",
+                                  "perseusrun", "product", tcp=True,
+                                  env=(("PERSEUS_ALLREDUCE_ALGORITHM", "ring"),)),
     "alone": System("each rank alone: plain RunConfig, no collectives (the machine's ceiling)",
                     "alone", "perseusrun", "product", tcp=True),
     "alone_sync": System("each rank alone, but every step ends together (one 4-byte allreduce, "
@@ -153,7 +158,8 @@ def launch(name: str, model: str, hosts: int, slots: int, args: argparse.Namespa
     try:
         if system.launch == "perseusrun":
             # perseusrun itself runs in the main environment; the ranks run `python`.
-            launcher = emulated.Config(system.title, "2.21", "rank", tcp=system.tcp)
+            launcher = emulated.Config(system.title, "2.21", "rank", tcp=system.tcp,
+                                       env=system.env)
             result = emulated.launch_perseusrun(launcher, hosts, args, [python, *program],
                                                 slots=slots)
         elif system.launch == "parameter_servers":
@@ -172,7 +178,10 @@ def launch(name: str, model: str, hosts: int, slots: int, args: argparse.Namespa
 
     return {**result, "trainers": len(stats), "cpu_s": sum(s["cpu_s"] for s in stats),
             "local_steps": max((s["local_steps"] for s in stats), default=0),
-            "rounds": mean("rounds"), "collectives": mean("collectives")}
+            "rounds": mean("rounds"), "collectives": mean("collectives"),
+            "algorithms": {key[len("allreduce_"):]: count  # the first trainer's, timed steps
+                           for key, count in (counted[0]["runtime"] if counted else {}).items()
+                           if key.startswith("allreduce_") and count}}
 
 
 def _run_hosts(hosts: int, slots: int, env_for, python: str, program: list,
@@ -293,7 +302,10 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "trainers": result["trainers"], "link_rate": args.link_rate,
             "link_mtu": args.link_mtu or 1500, "link_delay_ms": args.link_delay or 0,
             "link_jitter_ms": args.link_jitter or 0, "link_loss_pct": args.link_loss or 0,
-            "byte_scale": args.byte_scale, "steps": args.steps}
+            "byte_scale": args.byte_scale, "steps": args.steps,
+            "allreduce_algorithm": dict(SYSTEMS[name].env).get("PERSEUS_ALLREDUCE_ALGORITHM",
+                                                              "auto"),
+            "allreduce_algorithms": result.get("algorithms")}
 
 
 def add_relative(rows: list) -> None:
@@ -390,11 +402,17 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
                         if r["model"] == model and r["ranks_per_host"] == 1})
         if bound:
             axis.plot(*zip(*bound), "k--", linewidth=1, label="compute + link bound")
-        for hop in dict.fromkeys(p["hop_ms"] for p in projected if p["model"] == model):
+        # The projection's lines at its last (data-centre) hop, one per layout and wire type.
+        hop = projected[-1]["hop_ms"] if projected else None
+        for rph, wire in dict.fromkeys((p.get("ranks_per_host", 1), p.get("wire_bytes", 1.0))
+                                       for p in projected if p["model"] == model):
             points = sorted((p["hosts"], p["efficiency"]) for p in projected
-                            if p["model"] == model and p["hop_ms"] == hop)
+                            if p["model"] == model and p["hop_ms"] == hop
+                            and (p.get("ranks_per_host", 1), p.get("wire_bytes", 1.0))
+                            == (rph, wire))
             axis.plot(*zip(*points), ":",
-                      label=f"projection, {projected[0]['link_rate']}, {hop:g} ms hop")
+                      label=f"projection, {projected[0]['link_rate']}, {hop:g} ms hop, "
+                            f"{rph} a host{', fp16' if wire < 1 else ''}")
         published = [p["horovod_published"] for p in projected
                      if p["model"] == model and p.get("horovod_published")]
         if published:

@@ -1,30 +1,38 @@
-"""A calibrated model of one training step on emulated hosts, checked against what
-benchmarks/scaling.py measured on 2-8 hosts and projected to 16-512 hosts on 25 Gbit/s links.
+"""A model of one training step on H hosts x G ranks, fitted on the zero-delay rows of
+benchmarks/scaling.py, checked against every other measured row (more hosts, added link delay,
+the MPI transport, several ranks a host, the flat ring), then projected to 16-512 hosts on
+25 Gbit/s links.
 
-    python benchmarks/scaling_projection.py [--measured scaling.jsonl] [--json projection.jsonl]
+    python benchmarks/scaling_projection.py [--measured a.jsonl,b.jsonl] [--json projection.jsonl]
 
-The step, on H hosts with one rank each (bench_common/scaling_model.py's profile of the model):
+The step (bench_common/scaling_model.py's profile of the model):
 - forward, then backward layer by layer; each gradient exists when its layer's backward ends;
 - the runtime's background thread runs rounds one after another: a round starts once the
-  previous collective has ended and a gradient is ready, takes every gradient ready by then
-  (fused: the whole step fits the 64 MiB threshold), negotiates them (a round trip through rank
-  0 over the links, `hop_ms` each way, plus `tensor_us` per tensor: the per-tensor cost of
-  benchmarks/allreduce.py's 100 x 16 KiB row against one fused tensor), then allreduces them
-  in a ring: 2(H-1) steps of `hop_ms` latency each and 2(H-1)/H of the bytes over the link at
-  `efficiency` x the link rate;
+  previous collective has ended and a gradient is ready, and takes every gradient ready by then
+  (fused: the whole step fits the 64 MiB threshold);
+- a round negotiates (a gather to rank 0 and its answer: two messages between hosts, `hop_ms`
+  each, plus `tensor_us` per tensor: benchmarks/allreduce.py's 100 x 16 KiB row against one
+  fused tensor), then allreduces the fused bytes:
+  - one rank a host: across the H hosts with the algorithm the runtime picks (its own cost
+    model, `_core.allreduce_cost`, with the run's PERSEUS_ALLREDUCE_* settings; below 1 MiB
+    the MPI transport runs Open MPI's allreduce, counted as recursive doubling), costed by the
+    same alpha-beta formula with the fitted hop as alpha and the fitted share of the link rate;
+  - G ranks a host: a reduce-scatter and an allgather among the host's ranks (2(G-1) steps of
+    `LOCAL_HOP_MS`, 2(G-1)/G of the bytes at `LOCAL_BYTES_S`), and between them each local rank
+    allreduces its 1/G slice across the hosts at once, the G of them sharing the host's link;
+- every message between hosts also waits the run's added link delay (`link_delay_ms`, one way);
 - the step ends when backward and the last collective have ended, plus what the same system's
   one-host step measured beyond the profile's compute (the waits' own cost, the optimizer).
 
-`efficiency` and `hop_ms` are fitted to the measured TCP rows on 2-8 hosts (every model in
-the file): the transport whose CPU stays well below the machine's 2 cores at every host count,
-so that its rows measure the links and the runtime rather than the machine. The table gives
-every measured row of 2-8 hosts beside the model's prediction (the MPI rows' ranks poll while
-they wait and fill the cores at 8 hosts, which the model leaves out: their error says how much
-that costs). The projection keeps the fitted constants, takes the real bytes (no scale) on
-25 Gbit/s links, and gives the efficiency of 16-512 hosts for the four models, beside
-Horovod's published 90% (Inception V3, ResNet-101) and 68% (VGG-16) on 128 servers x 4 GPUs.
-By default it reads benchmarks/scaling_reference.jsonl: the quiet-machine run of
-docs/scaling.md.
+Two constants are fitted, to the `run_config_tcp` rows with one rank a host and no added delay
+(the transport whose CPU stays well below the machine's 2 cores, so that its rows measure the
+links and the runtime rather than the machine): the share of the link rate a transfer reaches
+and the latency of one message between hosts. Every other row is a prediction: the delayed
+rows add the delay to the hop and nothing else. The projection keeps the constants, takes the
+real bytes on 25 Gbit/s links, H servers x G ranks with the runtime's default policy told the
+real link (PERSEUS_ALLREDUCE_LINK_GBIT=25), optionally fp16 gradients on the wire, and gives the
+efficiency beside Horovod's published 90% (Inception V3, ResNet-101) and 68% (VGG-16) on 128
+servers x 4 GPUs.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench_common import scaling_model  # benchmarks/: this script's directory
@@ -42,38 +50,100 @@ HERE = Path(__file__).resolve().parent
 REFERENCE = HERE / "scaling_reference.jsonl"
 CALIBRATION_SYSTEM = "run_config_tcp"
 TENSOR_US = 2.0  # per tensor and round: allreduce.py, 100 x 16 KiB as ops against one tensor
+LOCAL_HOP_MS = 0.05  # one step between two ranks of a host (shared memory or loopback)
+# A host's ranks reducing and copying slices between them: benchmarks/allreduce.py, 2 ranks of
+# this machine over MPI's shared memory, 64 MiB in 25 ms (the ring moves 2(G-1)/G = 1 of it).
+LOCAL_BYTES_S = 2.7e9
+# Below these, MPI runs Open MPI's own allreduce (mpi_controller.h): flat, and a hierarchical
+# allreduce's slice across hosts.
+MPI_RING_MIN_BYTES = 1 << 20
+MPI_CROSS_RING_MIN_BYTES = 64 << 10
 PROJECTED_HOSTS = (16, 32, 64, 128, 256, 512)
 REAL_LINK = "25gbit"
-HOROVOD_PUBLISHED = {"inception3": 0.90, "resnet101": 0.90, "vgg16": 0.68}  # 512 GPUs
+HOROVOD_PUBLISHED = {"inception3": 0.90, "resnet101": 0.90, "vgg16": 0.68}  # 128 x 4 GPUs
+# The runtime's defaults (docs/settings.md): PERSEUS_ALLREDUCE_HOP_LATENCY_US and _LINK_GBIT.
+DEFAULT_POLICY_HOP_US = 50.0
+DEFAULT_POLICY_GBIT = 1.0
 
 
 @dataclass(frozen=True)
 class Constants:
-    efficiency: float  # share of the link rate a ring's transfers reach
-    hop_ms: float  # latency of one message between two hosts (a ring step, half a round)
+    efficiency: float  # share of the link rate a transfer reaches
+    hop_ms: float  # latency of one message between two hosts, with no added delay
     tensor_us: float = TENSOR_US
+    coordinator_us: float = 0.0  # rank 0's cost per other rank and round (not fitted)
 
 
-def step_ms(profile: scaling_model.Profile, hosts: int, byte_scale: float, link_bytes_s: float,
-            constants: Constants, one_host_extra_ms: float = 0.0) -> float:
-    """The modelled step on `hosts` hosts (module docstring)."""
+@dataclass(frozen=True)
+class Cluster:
+    """What one run (or a projected cluster) is: its layout, links and runtime settings."""
+
+    hosts: int
+    ranks_per_host: int
+    link_bytes_s: float
+    byte_scale: float = 1.0  # the emulation's gradient bytes per real byte
+    delay_ms: float = 0.0  # added to every message between hosts, one way
+    transport: str = "tcp"  # tcp or mpi
+    algorithm: str = "auto"  # PERSEUS_ALLREDUCE_ALGORITHM
+    policy_hop_us: float = DEFAULT_POLICY_HOP_US  # the runtime's cost model: what it picks by
+    policy_gbit: float = DEFAULT_POLICY_GBIT
+    wire_bytes: float = 1.0  # bytes on the wire per gradient byte: 0.5 with fp16 compression
+
+
+def _core():
+    from perseus_legacy import _core as core  # no init(): the cost model is a pure function
+
+    return core
+
+
+def allreduce_ms(cluster: Cluster, constants: Constants, ranks: int, nbytes: float,
+                 link_share: float = 1.0) -> tuple[str, float]:
+    """(algorithm, ms) of one allreduce of `nbytes` across `ranks` hosts, each host's link
+    shared `1 / link_share` ways."""
+    core = _core()
+    ring_min = MPI_CROSS_RING_MIN_BYTES if cluster.ranks_per_host > 1 else MPI_RING_MIN_BYTES
+    if cluster.transport == "mpi" and cluster.algorithm == "auto" and nbytes < ring_min:
+        chosen = "recursive_doubling"  # Open MPI's own allreduce for small messages
+    else:
+        chosen, _ = core.allreduce_cost(ranks, nbytes, cluster.policy_hop_us,
+                                        cluster.policy_gbit, cluster.algorithm)
+    hop_us = 1e3 * (constants.hop_ms + cluster.delay_ms)
+    gbit = 8e-9 * constants.efficiency * cluster.link_bytes_s * link_share
+    _, secs = core.allreduce_cost(ranks, nbytes, hop_us, gbit, chosen)
+    return chosen, 1e3 * secs
+
+
+def round_ms(cluster: Cluster, constants: Constants, fused_bytes: float, tensors: int) -> float:
+    """One round: its negotiation and the allreduce of the tensors it fused."""
+    nbytes = fused_bytes * cluster.wire_bytes
+    hosts, local = cluster.hosts, cluster.ranks_per_host
+    hop = constants.hop_ms + cluster.delay_ms if hosts > 1 else LOCAL_HOP_MS
+    negotiation = 2 * hop + (tensors * constants.tensor_us
+                             + (hosts * local - 1) * constants.coordinator_us) / 1e3
+    ms = 0.0
+    if local > 1:
+        ms += 2 * (local - 1) * LOCAL_HOP_MS + 1e3 * 2 * (local - 1) / local * nbytes \
+            / LOCAL_BYTES_S
+    if hosts > 1:
+        ms += allreduce_ms(cluster, constants, hosts, nbytes / local, 1 / local)[1]
+    return negotiation + ms
+
+
+def step_ms(profile: scaling_model.Profile, cluster: Cluster, constants: Constants,
+            one_host_extra_ms: float = 0.0) -> float:
+    """The modelled step (module docstring)."""
     compute = profile.forward_ms + profile.backward_ms
-    if hosts == 1:
+    if cluster.hosts * cluster.ranks_per_host == 1:
         return compute + one_host_extra_ms
-    ready = profile.backward_ready_ms(byte_scale)
-    share = scaling_model.allreduce_link_share(hosts)
-    bytes_ms = 1e3 * share / (constants.efficiency * link_bytes_s)
-    ring_latency = 2 * (hosts - 1) * constants.hop_ms
+    ready = profile.backward_ready_ms(cluster.byte_scale)
     free, index = 0.0, 0
     while index < len(ready):
         start = max(free, ready[index][0])
         group = index
         while group < len(ready) and ready[group][0] <= start:
             group += 1
-        tensors = group - index
-        fused_bytes = sum(size for _, size in ready[index:group])
-        free = (start + 2 * constants.hop_ms + tensors * constants.tensor_us / 1e3
-                + ring_latency + fused_bytes * bytes_ms)
+        fused = sum(size for _, size in ready[index:group])
+        free = start + round_ms(cluster, constants, fused, group - index)
         index = group
     return profile.forward_ms + max(profile.backward_ms, free) + one_host_extra_ms
 
@@ -83,37 +153,56 @@ def profile_of(model: str) -> scaling_model.Profile:
     return scaling_model.load_profile(model)
 
 
-def load_rows(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def one_host_extra(rows: list, model: str, system: str, profile) -> float | None:
-    for row in rows:
-        if (row["model"], row["system"], row["hosts"], row["ranks_per_host"]) == \
-                (model, system, 1, 1):
-            return measured_step_ms(row, profile) - profile.forward_ms - profile.backward_ms
-    return None
+def load_rows(*paths: Path) -> list:
+    return [json.loads(line) for path in paths for line in Path(path).read_text().splitlines()
+            if line.strip()]
 
 
 def measured_step_ms(row: dict, profile) -> float:
     return 1e3 * row["hosts"] * row["ranks_per_host"] * profile.batch / row["examples_per_s"]
 
 
+def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
+    """The cluster a measured row ran on (its own link and settings where it records them)."""
+    return Cluster(row["hosts"], row["ranks_per_host"], link_bytes_s,
+                   byte_scale=row.get("byte_scale", byte_scale),
+                   delay_ms=row.get("link_delay_ms") or 0.0,
+                   transport="tcp" if row["system"].endswith(("_tcp", "_ring")) else "mpi",
+                   algorithm=row.get("allreduce_algorithm") or "auto")
+
+
+def one_host_extra(rows: list, row: dict, profile) -> float | None:
+    """What the same system's one-host step of the same run measured beyond the compute (the
+    one-host row with the same delay setting, else any of the system's one-host rows)."""
+    ones = [r for r in rows if (r["model"], r["system"], r["hosts"], r["ranks_per_host"])
+            == (row["model"], row["system"], 1, 1)]
+    same = [r for r in ones if r.get("link_delay_ms") == row.get("link_delay_ms")]
+    for one in same or ones:
+        return measured_step_ms(one, profile) - profile.forward_ms - profile.backward_ms
+    return None
+
+
+def is_calibration(row: dict) -> bool:
+    return (row["system"] == CALIBRATION_SYSTEM and row["ranks_per_host"] == 1
+            and not row.get("link_delay_ms"))
+
+
 def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_s: float,
-                systems: set | None = None) -> list:
-    """(row, predicted step ms, measured step ms) of every measured row of 2 hosts or more
-    with one rank per host."""
+                systems: set | None = None, calibration_only: bool = False) -> list:
+    """(row, predicted step ms, measured step ms) of every measured row of 2 ranks or more."""
     out = []
     for row in rows:
-        if row["hosts"] < 2 or row["ranks_per_host"] != 1:
+        if row["hosts"] * row["ranks_per_host"] < 2 or row.get("efficiency") is None:
             continue
         if systems is not None and row["system"] not in systems:
             continue
+        if calibration_only and not is_calibration(row):
+            continue
         profile = profile_of(row["model"])
-        extra = one_host_extra(rows, row["model"], row["system"], profile)
+        extra = one_host_extra(rows, row, profile)
         if extra is None:
             continue
-        predicted = step_ms(profile, row["hosts"], byte_scale, link_bytes_s, constants, extra)
+        predicted = step_ms(profile, cluster_of(row, link_bytes_s, byte_scale), constants, extra)
         out.append((row, predicted, measured_step_ms(row, profile)))
     return out
 
@@ -122,11 +211,14 @@ def fit(rows: list, byte_scale: float, link_bytes_s: float) -> Constants:
     """The constants whose largest relative error over the calibration rows is least: a coarse
     grid (link share 0.70-1.00 by 0.05, hop 0-2 ms by 0.05 ms), then a fine one (0.01) around
     the best point of the coarse one."""
+    calibration = [r for r in rows if is_calibration(r) or r["hosts"] == 1]
 
     def worst_error(constants: Constants) -> float:
-        checks = predictions(rows, constants, byte_scale, link_bytes_s, {CALIBRATION_SYSTEM})
+        checks = predictions(calibration, constants, byte_scale, link_bytes_s,
+                             calibration_only=True)
         if not checks:
-            raise ValueError(f"no {CALIBRATION_SYSTEM} rows on 1 and 2+ hosts to calibrate with")
+            raise ValueError(f"no {CALIBRATION_SYSTEM} rows without added delay on 1 and 2+ "
+                             "hosts to calibrate with")
         return max(abs(p - m) / m for _, p, m in checks)
 
     def best_of(efficiencies, hops) -> Constants:
@@ -139,18 +231,51 @@ def fit(rows: list, byte_scale: float, link_bytes_s: float) -> Constants:
                    [coarse.hop_ms + 0.01 * i for i in range(-5, 6)])
 
 
-def project(constants: Constants, models: list, real_link_bytes_s: float) -> list:
-    """Efficiency on PROJECTED_HOSTS of each model at the real link rate and real bytes; the
-    one-host step is the profile's compute (the emulation's own overhead left out)."""
+def project(constants: Constants, models: list, real_link_bytes_s: float,
+            hop_ms: float | None = None, ranks_per_host: int = 1,
+            hosts_list: tuple = PROJECTED_HOSTS, wire_bytes: float = 1.0) -> list:
+    """Efficiency of each model on `hosts_list` servers x `ranks_per_host` at the real link rate
+    and real bytes, the runtime's cost model told that link; the one-rank step is the profile's
+    compute (the emulation's own overhead left out)."""
+    constants = replace(constants, hop_ms=constants.hop_ms if hop_ms is None else hop_ms)
+    gbit = 8e-9 * real_link_bytes_s
     out = []
     for model in models:
         profile = profile_of(model)
-        one = step_ms(profile, 1, 1.0, real_link_bytes_s, constants)
-        for hosts in PROJECTED_HOSTS:
-            step = step_ms(profile, hosts, 1.0, real_link_bytes_s, constants)
-            out.append({"model": model, "hosts": hosts, "step_ms": step, "efficiency": one / step,
+        one = step_ms(profile, Cluster(1, 1, real_link_bytes_s), constants)
+        for hosts in hosts_list:
+            cluster = Cluster(hosts, ranks_per_host, real_link_bytes_s, policy_gbit=gbit,
+                              wire_bytes=wire_bytes)
+            step = step_ms(profile, cluster, constants)
+            out.append({"model": model, "hosts": hosts, "ranks_per_host": ranks_per_host,
+                        "ranks": hosts * ranks_per_host, "step_ms": step,
+                        "efficiency": one / step, "hop_ms": constants.hop_ms,
+                        "wire_bytes": wire_bytes,
                         "horovod_published": HOROVOD_PUBLISHED.get(model)})
     return out
+
+
+def print_checks(rows: list, constants: Constants, byte_scale: float, link: float) -> None:
+    print("| model | system | hosts x ranks | delay (ms) | algorithm | measured ms/step | model "
+          "ms/step | error | measured efficiency | model efficiency | cores busy |")
+    print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    checks = predictions(rows, constants, byte_scale, link)
+    key = {id(r): i for i, r in enumerate(rows)}
+    checks.sort(key=lambda c: (c[0]["model"], c[0].get("link_delay_ms") or 0,
+                               c[0]["hosts"] * c[0]["ranks_per_host"], key[id(c[0])]))
+    for row, predicted, measured in checks:
+        profile = profile_of(row["model"])
+        one = measured_step_ms(row, profile) * row["efficiency"]  # the one-rank step
+        busy = f"{row['cpu_busy']:.0%}" if row.get("cpu_busy") is not None else ""
+        cluster = cluster_of(row, link, byte_scale)
+        fused = 4 * sum(profile.tensor_elements(cluster.byte_scale))
+        chosen = allreduce_ms(cluster, constants, row["hosts"],
+                              fused / row["ranks_per_host"])[0] if row["hosts"] > 1 else "local"
+        marker = " (fit)" if is_calibration(row) else ""
+        print(f"| {row['model']} | {row['system']}{marker} | {row['hosts']}x"
+              f"{row['ranks_per_host']} | {row.get('link_delay_ms') or 0:g} | {chosen} | "
+              f"{measured:.0f} | {predicted:.0f} | {(predicted - measured) / measured:+.1%} | "
+              f"{row['efficiency']:.0%} | {one / predicted:.0%} | {busy} |")
 
 
 def main() -> None:
@@ -158,48 +283,48 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measured", default=str(REFERENCE),
-                        help="scaling.py --json rows (default: the quiet run of docs/scaling.md)")
-    parser.add_argument("--link-rate", default="1gbit", help="of the measured run")
+                        help="comma-separated scaling.py --json files, fitted and checked as "
+                        "one set (default: the quiet run of docs/scaling.md)")
+    parser.add_argument("--link-rate", default="1gbit", help="of the measured runs")
     parser.add_argument("--real-link-rate", default=REAL_LINK)
     parser.add_argument("--real-hop-ms", type=float, default=0.05,
                         help="a message's latency between two hosts of the real cluster")
+    parser.add_argument("--coordinator-us", type=float, default=0.0,
+                        help="rank 0's cost per other rank in each negotiation round (the "
+                        "gather and the answer go through it), for the projection only")
     parser.add_argument("--json", help="write the projection's rows here, one JSON object each")
     args = parser.parse_args()
     link = emulate.rate_bytes_per_second(args.link_rate)
     real = emulate.rate_bytes_per_second(args.real_link_rate)
-    rows = [r for r in load_rows(Path(args.measured)) if "failed" not in r]
+    paths = [Path(p) for p in args.measured.split(",")]
+    rows = [r for r in load_rows(*paths) if "failed" not in r]
     constants = fit(rows, link / real, link)
-    print(f"\nFitted on the {CALIBRATION_SYSTEM} rows of {args.measured}: links reach "
-          f"{constants.efficiency:.0%} of {args.link_rate}, {constants.hop_ms:.2f} ms a hop, "
+    print(f"\nFitted on the {CALIBRATION_SYSTEM} rows without added delay of "
+          f"{', '.join(p.name for p in paths)}: transfers reach {constants.efficiency:.0%} of "
+          f"{args.link_rate}, {constants.hop_ms:.2f} ms a message between hosts, "
           f"{constants.tensor_us:g} us a tensor\n")
-    print("| model | system | hosts | measured ms/step | model ms/step | error | measured "
-          "efficiency | model efficiency | cores busy |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row, predicted, measured in predictions(rows, constants, link / real, link):
-        profile = profile_of(row["model"])
-        one = measured_step_ms(row, profile) * row["efficiency"] if row.get("efficiency") \
-            else None  # the one-host step
-        model_eff = f"{one / predicted:.0%}" if one else ""
-        busy = f"{row['cpu_busy']:.0%}" if row.get("cpu_busy") is not None else ""
-        print(f"| {row['model']} | {row['system']} | {row['hosts']} | {measured:.0f} | "
-              f"{predicted:.0f} | {(predicted - measured) / measured:+.1%} | "
-              f"{row['efficiency']:.0%} | {model_eff} | {busy} |")
-    print(f"\nProjected scaling efficiency: {args.real_link_rate} links, one rank per host, "
-          "real gradient bytes; hop: the fitted one (this emulated network: a veth pair and "
-          f"tc's queue), and {args.real_hop_ms:g} ms (--real-hop-ms: a data-centre network)\n")
-    print("| model | hop (ms) | " + " | ".join(f"{h} hosts" for h in PROJECTED_HOSTS)
-          + " | Horovod published (512 GPUs) |")
-    print("|---|---:|" + "---:|" * (len(PROJECTED_HOSTS) + 1))
+    print_checks(rows, constants, link / real, link)
+    constants = replace(constants, coordinator_us=args.coordinator_us)
+    models = list(scaling_model.MODELS)
     projected = []
     for hop_ms in (constants.hop_ms, args.real_hop_ms):
-        rows_out = project(Constants(constants.efficiency, hop_ms), list(scaling_model.MODELS),
-                           real)
-        for model in scaling_model.MODELS:
-            cells = [f"{p['efficiency']:.0%}" for p in rows_out if p["model"] == model]
-            published = HOROVOD_PUBLISHED.get(model)
-            print(f"| {model} | {hop_ms:g} | " + " | ".join(cells) + " | "
-                  + (f"{published:.0%}" if published else "") + " |")
-        projected += [{**row, "hop_ms": hop_ms} for row in rows_out]
+        print(f"\nProjected efficiency, {args.real_link_rate} links, real gradient bytes, "
+              f"{hop_ms:g} ms a message between hosts, {args.coordinator_us:g} us a rank at "
+              "the coordinator\n")
+        print("| model | ranks a host | wire | " + " | ".join(f"{h} hosts" for h in
+                                                          PROJECTED_HOSTS)
+              + " | Horovod published (128 x 4) |")
+        print("|---|---:|---|" + "---:|" * (len(PROJECTED_HOSTS) + 1))
+        for ranks_per_host, wire in ((1, 1.0), (4, 1.0), (4, 0.5)):
+            rows_out = project(constants, models, real, hop_ms, ranks_per_host,
+                               wire_bytes=wire)
+            for model in models:
+                cells = [f"{p['efficiency']:.0%}" for p in rows_out if p["model"] == model]
+                published = HOROVOD_PUBLISHED.get(model)
+                print(f"| {model} | {ranks_per_host} | {'fp16' if wire < 1 else 'fp32'} | "
+                      + " | ".join(cells) + " | " + (f"{published:.0%}" if published else "")
+                      + " |")
+            projected += rows_out
     if args.json:
         with open(args.json, "w") as out:
             for row in projected:

@@ -111,7 +111,9 @@ def _runtime_counters() -> dict:
         return {}
     stats = hvd.runtime_stats()
     return {"rounds": stats["cache_rounds"] + stats["coordinator_rounds"],
-            "collectives": stats["collectives_executed"]["allreduce"]}
+            "collectives": stats["collectives_executed"]["allreduce"],
+            **{f"allreduce_{name}": count
+               for name, count in stats.get("allreduce_algorithms", {}).items()}}
 
 
 def write_stats(args: argparse.Namespace, who: str, reporter: bool, **stats) -> None:

@@ -27,9 +27,10 @@ LAUNCHES = {  # name: controller, PERSEUS_ALLREDUCE_ALGORITHM, ranks
 }
 
 
-def modelled_choice(ranks: int, nbytes: int) -> str:
-    """The cheapest algorithm by the alpha-beta model of docs/design.md (ties: the ring first)."""
-    alpha, beta, gamma = HOP_LATENCY_US * 1e-6, 8 / (LINK_GBIT * 1e9), REDUCE_SECS_PER_BYTE
+def modelled_costs(ranks: int, nbytes: int, hop_us: float = HOP_LATENCY_US,
+                   gbit: float = LINK_GBIT) -> dict:
+    """Seconds of each algorithm by the alpha-beta model of docs/design.md."""
+    alpha, beta, gamma = hop_us * 1e-6, 8 / (gbit * 1e9), REDUCE_SECS_PER_BYTE
     p = 2 ** int(math.log2(ranks))
     steps = int(math.log2(p))
     fold = 0.0 if p == ranks else 2 * alpha + 2 * nbytes * beta + nbytes * gamma
@@ -39,6 +40,13 @@ def modelled_choice(ranks: int, nbytes: int) -> str:
         "halving_doubling": fold + 2 * steps * alpha + (p - 1) / p * nbytes * (2 * beta + gamma),
         "recursive_doubling": fold + steps * (alpha + nbytes * (beta + gamma)),
     }
+    return costs
+
+
+def modelled_choice(ranks: int, nbytes: int, hop_us: float = HOP_LATENCY_US,
+                    gbit: float = LINK_GBIT) -> str:
+    """The cheapest algorithm by that model (ties: the ring first)."""
+    costs = modelled_costs(ranks, nbytes, hop_us, gbit)
     best = "ring"
     for name in ("halving_doubling", "recursive_doubling"):
         if costs[name] < costs[best]:
@@ -74,3 +82,21 @@ def test_the_algorithm_that_ran_is_the_setting_or_the_cost_models_choice(launch)
     if algorithm == "auto":  # the worker's sizes cross every cut-over of the model
         assert {name for _, _, name in ran} == {"ring", "halving_doubling",
                                                 "recursive_doubling"}, out
+
+
+def test_the_core_exposes_the_cost_model_the_runtime_picks_by():
+    # benchmarks/scaling_projection.py reads the runtime's choice through this function.
+    from perseus_legacy import _core
+
+    for ranks in (2, 3, 5, 8, 16, 512):
+        for nbytes in (64, 4 << 10, 64 << 10, 1 << 20, 64 << 20):
+            for hop_us, gbit in ((5.0, 1.0), (50.0, 25.0), (2000.0, 1.0)):
+                name, secs = _core.allreduce_cost(ranks, nbytes, hop_us, gbit)
+                assert name == modelled_choice(ranks, nbytes, hop_us, gbit), (ranks, nbytes)
+                assert secs == pytest.approx(modelled_costs(ranks, nbytes, hop_us, gbit)[name])
+                _, ring = _core.allreduce_cost(ranks, nbytes, hop_us, gbit, "ring")
+                assert ring == pytest.approx(modelled_costs(ranks, nbytes, hop_us, gbit)["ring"])
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        _core.allreduce_cost(4, 1024, 50.0, 1.0, "tree")
+    with pytest.raises(ValueError, match="at least 2"):
+        _core.allreduce_cost(1, 1024, 50.0, 1.0)

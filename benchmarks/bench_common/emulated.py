@@ -47,6 +47,7 @@ class Config:
     tensorflow: str  # "2.15" (.venv-tf215) or "2.21" (the main environment)
     run: str  # what each process runs: plain, ps_async, ps_sync or rank
     tcp: bool = False  # rank: perseusrun --tcp (the TCP controller) instead of MPI
+    env: tuple = ()  # (name, value) pairs every process of the launch gets
 
     @property
     def synchronous(self) -> bool:
@@ -69,6 +70,7 @@ def process_env(config: Config, extra: dict | None = None) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)])
     if config.tensorflow == "2.15":
         env["TF_USE_LEGACY_KERAS"] = "0"  # TF 2.15's tf.keras is Keras 2 already
+    env.update(dict(config.env))
     env.update(extra or {})
     return env
 

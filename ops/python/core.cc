@@ -20,6 +20,7 @@
 #include "common/common.h"
 #include "runtime/message.h"
 #include "runtime/runtime.h"
+#include "transport/allreduce_algorithms.h"
 #include "transport/registry.h"
 
 namespace py = pybind11;
@@ -531,6 +532,31 @@ PYBIND11_MODULE(_core, m) {
         return sets;
       },
       "{id: ranks} of every registered process set; empty before init().");
+
+  m.def(
+      "allreduce_cost",
+      [](int ranks, double nbytes, double hop_latency_us, double link_gbit,
+         const std::string& algorithm) {
+        if (ranks < 2) throw py::value_error("ranks must be at least 2, not " +
+                                             std::to_string(ranks));
+        if (nbytes < 0 || hop_latency_us < 0 || link_gbit <= 0)
+          throw py::value_error("nbytes and hop_latency_us must be >= 0 and link_gbit > 0");
+        AllreducePolicy policy;
+        if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
+          throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
+        policy.hop_latency_secs = hop_latency_us * 1e-6;
+        policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
+        const AllreduceAlgorithm chosen =
+            ChooseAllreduce(ranks, static_cast<size_t>(nbytes), policy);
+        return py::make_tuple(AllreduceAlgorithmName(chosen),
+                              ModelledAllreduceSecs(chosen, ranks, nbytes, policy));
+      },
+      py::arg("ranks"), py::arg("nbytes"), py::arg("hop_latency_us"), py::arg("link_gbit"),
+      py::arg("algorithm") = "auto",
+      "The allreduce cost model of the TCP and MPI point-to-point paths: (the algorithm "
+      "`algorithm` names, or under \"auto\" the one the runtime picks for `nbytes` over `ranks` "
+      "ranks with that step latency and link rate; the seconds the model gives it). No init "
+      "needed.");
 
   m.def(
       "_wire_decode",
