@@ -14,7 +14,7 @@ import math
 import re
 
 import pytest
-from harness import run_ranks
+from harness import needs_emulation, run_emulated, run_ranks
 
 HOP_LATENCY_US = 5.0  # moves the cut-overs down to the worker's small tensors
 LINK_GBIT = 1.0
@@ -100,3 +100,27 @@ def test_the_core_exposes_the_cost_model_the_runtime_picks_by():
         _core.allreduce_cost(4, 1024, 50.0, 1.0, "tree")
     with pytest.raises(ValueError, match="at least 2"):
         _core.allreduce_cost(1, 1024, 50.0, 1.0)
+
+
+@needs_emulation
+@pytest.mark.parametrize("controller", ["tcp", "mpi"])
+def test_an_auto_step_latency_is_measured_at_init_and_moves_the_choice(controller):
+    # 4 emulated hosts, 2 ms added to every frame: a step between two hosts costs at least 2 ms.
+    # At the default 50 us halving-doubling is the model's choice for 256 KiB; at 2 ms recursive
+    # doubling (2 steps of the whole tensor instead of 4 of halves) is. Over MPI a tensor below
+    # 1 MiB runs Open MPI's own allreduce: there only the measurement is checked.
+    delay_ms, nbytes, hosts = 2.0, 256 << 10, 4
+    out = run_emulated(["--emulate-hosts", str(hosts), "--link-delay", str(delay_ms),
+                        *(["--tcp"] if controller == "tcp" else [])],
+                       "tests/workers/hop_latency.py", timeout=180,
+                       env={"PERSEUS_ALLREDUCE_HOP_LATENCY_US": "auto"})
+    found = re.findall(r"^\[rank (\d+)\] HOP (\d+) RAN (\w+)$", out, re.M)
+    hops = {int(rank): int(ns) for rank, ns, _ in found}
+    assert sorted(hops) == list(range(hosts)), out
+    assert len(set(hops.values())) == 1, hops  # rank 0's measurement, on every rank
+    hop_us = hops[0] / 1e3
+    assert delay_ms * 1e3 <= hop_us < 10 * delay_ms * 1e3, hops
+    assert modelled_choice(hosts, nbytes, 50.0) == "halving_doubling"
+    assert modelled_choice(hosts, nbytes, hop_us) == "recursive_doubling", hop_us
+    if controller == "tcp":
+        assert {name for _, _, name in found} == {"recursive_doubling"}, out

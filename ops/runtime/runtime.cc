@@ -13,6 +13,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <csignal>
+#include <cstdlib>
 #include <cstdio>
 #include <exception>
 #include <deque>
@@ -58,7 +59,8 @@ std::vector<std::pair<std::string, std::string>> SettingsThatMustAgree(const Set
           {"PERSEUS_HIERARCHICAL_ALLREDUCE", HierarchicalName(settings.hierarchical)},
           {"PERSEUS_ALLREDUCE_ALGORITHM", AllreduceAlgorithmName(settings.allreduce.algorithm)},
           {"PERSEUS_ALLREDUCE_HOP_LATENCY_US",
-           std::to_string(settings.allreduce.hop_latency_secs * 1e6)},
+           settings.measure_hop_latency ? std::string("auto")
+                                        : std::to_string(settings.allreduce.hop_latency_secs * 1e6)},
           {"PERSEUS_ALLREDUCE_LINK_GBIT",
            std::to_string(settings.allreduce.link_bytes_per_sec * 8 / 1e9)}};
 }
@@ -105,6 +107,33 @@ Status AgreeOnSettings(Controller* controller, const Settings& settings) {
   if (controller->rank() == 0 && !verdict.empty()) return Status::Error(verdict);
   if (!s.ok()) return s;
   return verdict.empty() ? Status::OK() : Status::Error(verdict);
+}
+
+// PERSEUS_ALLREDUCE_HOP_LATENCY_US=auto. A barrier is a gather to rank 0 and its answer: two
+// messages between rank 0 and the farthest rank, with every wake-up on the way, which is what one
+// step of an allreduce algorithm pays. Rank 0 times kLatencyProbes of them and sends half of the
+// median; every rank takes that value, so that all pick the same algorithms. Clamped to 1 us -
+// 1 s.
+Status MeasureHopLatency(Controller* controller, double* secs) {
+  constexpr int kLatencyProbes = 9;
+  std::vector<double> took;
+  for (int i = 0; i < kLatencyProbes; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    Status s = controller->Barrier();
+    if (!s.ok()) return s;
+    took.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::nth_element(took.begin(), took.begin() + kLatencyProbes / 2, took.end());
+  std::string value = std::to_string(took[kLatencyProbes / 2] / 2);
+  Status s = controller->BroadcastFromCoordinator(&value);
+  if (!s.ok()) return s;
+  char* end = nullptr;
+  const double measured = std::strtod(value.c_str(), &end);
+  if (end == value.c_str()) {
+    return Status::Error("perseus_legacy: malformed step latency from rank 0: \"" + value + "\"");
+  }
+  *secs = std::min(1.0, std::max(1e-6, measured));
+  return Status::OK();
 }
 
 class Runtime {
@@ -311,6 +340,11 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   }
   s = AgreeOnSettings(controller.get(), settings);
   if (!s.ok()) return s;
+  if (settings.measure_hop_latency) {
+    s = MeasureHopLatency(controller.get(), &settings.allreduce.hop_latency_secs);
+    if (!s.ok()) return s;
+    controller->SetAllreducePolicy(settings.allreduce);
+  }
 
   settings_ = settings;
   group_ = group;

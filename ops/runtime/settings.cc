@@ -72,14 +72,17 @@ Status ReadFlag(const char* name, bool* value) {
   return Status::OK();
 }
 
-Status ReadAllreduce(AllreducePolicy* policy) {
+Status ReadAllreduce(AllreducePolicy* policy, bool* measure_hop_latency) {
   const char* name = "PERSEUS_ALLREDUCE_ALGORITHM";
   const char* text = Text(name);
   if (text != nullptr && !ParseAllreduceAlgorithm(text, &policy->algorithm)) {
     return Invalid(name, text, "one of auto, ring, halving_doubling, recursive_doubling");
   }
   double latency_us = policy->hop_latency_secs * 1e6;
-  Status s = ReadNumber("PERSEUS_ALLREDUCE_HOP_LATENCY_US", &latency_us);
+  const char* latency = Text("PERSEUS_ALLREDUCE_HOP_LATENCY_US");
+  *measure_hop_latency = latency != nullptr && std::string(latency) == "auto";
+  Status s = *measure_hop_latency ? Status::OK()
+                                  : ReadNumber("PERSEUS_ALLREDUCE_HOP_LATENCY_US", &latency_us);
   if (!s.ok()) return s;
   policy->hop_latency_secs = latency_us * 1e-6;
   name = "PERSEUS_ALLREDUCE_LINK_GBIT";
@@ -134,7 +137,7 @@ Status ReadSettings(Settings* settings) {
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &settings->stall_shutdown_secs);
   if (s.ok()) s = ReadCount("PERSEUS_CACHE_CAPACITY", &settings->cache_capacity);
   if (s.ok()) s = ReadHierarchical("PERSEUS_HIERARCHICAL_ALLREDUCE", &settings->hierarchical);
-  if (s.ok()) s = ReadAllreduce(&settings->allreduce);
+  if (s.ok()) s = ReadAllreduce(&settings->allreduce, &settings->measure_hop_latency);
   if (s.ok()) s = ReadFlag("PERSEUS_AUTOTUNE", &settings->autotune);
   if (s.ok()) {
     s = ReadCount("PERSEUS_AUTOTUNE_CYCLES_PER_SAMPLE", &settings->autotune_cycles_per_sample);

@@ -53,6 +53,9 @@ struct Settings {
   // PERSEUS_ALLREDUCE_ALGORITHM (auto, ring, halving_doubling, recursive_doubling) and the cost
   // model's PERSEUS_ALLREDUCE_HOP_LATENCY_US (alpha) and PERSEUS_ALLREDUCE_LINK_GBIT (1 / beta).
   AllreducePolicy allreduce;
+  // PERSEUS_ALLREDUCE_HOP_LATENCY_US=auto: the step latency is measured once at init (rank 0
+  // times a few barriers; every rank takes half of its median) instead of read.
+  bool measure_hop_latency = false;
   // PERSEUS_AUTOTUNE (0 or 1): rank 0 searches the fusion threshold, the cycle time and the
   // cost model's step latency during the first cycles (runtime/autotune.h); the other ranks
   // follow its answers whatever theirs.
