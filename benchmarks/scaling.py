@@ -410,14 +410,13 @@ def write_chart(json_path: Path, chart: Path, projection: Path | None = None) ->
                             if p["model"] == model and p["hop_ms"] == hop
                             and (p.get("ranks_per_host", 1), p.get("wire_bytes", 1.0))
                             == (rph, wire))
-            axis.plot(*zip(*points), ":",
-                      label=f"projection, {projected[0]['link_rate']}, {hop:g} ms hop, "
-                            f"{rph} a host{', fp16' if wire < 1 else ''}")
+            axis.plot(*zip(*points), ":", linewidth=2,
+                      label=f"projection, {rph} a host{', fp16' if wire < 1 else ''}")
         published = [p["horovod_published"] for p in projected
                      if p["model"] == model and p.get("horovod_published")]
         if published:
-            axis.plot([512], published[:1], "k*", markersize=9,
-                      label="Horovod published, 512 GPUs")
+            axis.plot([128], published[:1], "k*", markersize=9,
+                      label="Horovod published, 128 x 4 GPUs")
         hosts = sorted({r["hosts"] for r in rows} | {p["hosts"] for p in projected
                                                       if p["model"] == model})
         axis.set_xscale("log", base=2)

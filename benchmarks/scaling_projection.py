@@ -49,6 +49,9 @@ HERE = Path(__file__).resolve().parent
 
 REFERENCE = HERE / "scaling_reference.jsonl"
 CALIBRATION_SYSTEM = "run_config_tcp"
+# The rows the model is about: this product's runtime (other systems run other allreduces).
+PRODUCT_SYSTEMS = {"run_config_mpi", "run_config_tcp", "run_config_tcp_ring", "sync_hook_mpi",
+                   "dist_opt_mpi"}
 TENSOR_US = 2.0  # per tensor and round: allreduce.py, 100 x 16 KiB as ops against one tensor
 LOCAL_HOP_MS = 0.05  # one step between two ranks of a host (shared memory or loopback)
 # A host's ranks reducing and copying slices between them: benchmarks/allreduce.py, 2 ranks of
@@ -189,10 +192,12 @@ def is_calibration(row: dict) -> bool:
 
 def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_s: float,
                 systems: set | None = None, calibration_only: bool = False) -> list:
-    """(row, predicted step ms, measured step ms) of every measured row of 2 ranks or more."""
+    """(row, predicted step ms, measured step ms) of every measured row of this product's
+    with 2 ranks or more."""
     out = []
     for row in rows:
-        if row["hosts"] * row["ranks_per_host"] < 2 or row.get("efficiency") is None:
+        if row["hosts"] * row["ranks_per_host"] < 2 or row.get("efficiency") is None \
+                or row["system"] not in PRODUCT_SYSTEMS:
             continue
         if systems is not None and row["system"] not in systems:
             continue

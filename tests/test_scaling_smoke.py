@@ -8,6 +8,7 @@ which `make test` does not build: they are left out here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -44,6 +45,24 @@ def test_projection_fits_the_reference_tcp_rows_within_5_percent_and_falls_with_
     projected = scaling_projection.project(constants, ["vgg16"], 25 * link)
     efficiencies = [p["efficiency"] for p in projected]
     assert efficiencies == sorted(efficiencies, reverse=True) and 0 < efficiencies[-1] < 1
+
+
+def test_projection_adds_the_link_delay_to_each_step_of_the_algorithm_the_runtime_picks():
+    constants = scaling_projection.Constants(efficiency=1.0, hop_ms=0.5)
+    plain = scaling_projection.Cluster(8, 1, 125e6, byte_scale=1 / 25)
+    delayed = dataclasses.replace(plain, delay_ms=2.0)
+    name, before = scaling_projection.allreduce_ms(plain, constants, 8, 64 << 10)
+    assert name == "halving_doubling"  # the runtime's default policy, 8 ranks, 64 KiB
+    assert scaling_projection.allreduce_ms(delayed, constants, 8, 64 << 10) == \
+        (name, pytest.approx(before + 2 * 3 * 2.0))  # 2 log2(8) steps, 2 ms more each
+    ring = dataclasses.replace(delayed, algorithm="ring")
+    _, ring_plain = scaling_projection.allreduce_ms(dataclasses.replace(ring, delay_ms=0),
+                                                    constants, 8, 64 << 10)
+    assert scaling_projection.allreduce_ms(ring, constants, 8, 64 << 10) == \
+        ("ring", pytest.approx(ring_plain + 2 * 7 * 2.0))  # 2(H-1) steps
+    # A round adds two messages' delay for its negotiation on top.
+    assert scaling_projection.round_ms(delayed, constants, 64 << 10, 3) == pytest.approx(
+        scaling_projection.round_ms(plain, constants, 64 << 10, 3) + 2 * 2.0 + 6 * 2.0)
 
 
 def test_bounds_have_no_link_time_on_one_host_and_some_on_two():
