@@ -495,18 +495,25 @@ std::string MpiController::Describe(const std::vector<int>& ranks) const {
   return text;
 }
 
-// Open MPI's blocking calls busy-poll a core. Ranks share few cores, a control-plane wait can
-// last until an idle rank's next heartbeat, and a collective waits for the slowest rank's step,
-// so every wait polls for 20 us, yields until kYieldFor, then sleeps a sixteenth of the time
-// already waited, from 20 us up to kLongestSleep: a late arrival costs at most a few percent of
-// the wait, and a rank waiting on another's compute leaves the cores to it. (Yielding alone
-// keeps a core busy whenever no other thread is ready, and takes a fair share of it when one
-// is: waiting ranks took 73% of 2 cores on 8 ranks, against 39% over TCP's poll().) Data moves
-// only inside these polls (MPI_Test): a step that arrives during a sleep waits for its end.
+// Open MPI's blocking calls busy-poll a core. Ranks share few cores, and a negotiation wait
+// lasts until the slowest rank submits (its step's compute) or until an idle rank's next
+// heartbeat, so every wait polls for 20 us, yields until its yield time, then sleeps a
+// sixteenth of the time already waited, from 20 us up to kLongestSleep: a late arrival costs
+// at most a few percent of the wait, and a rank waiting on another's compute leaves the cores to
+// it. (Yielding alone keeps a core busy whenever no other thread is ready, and takes a fair share
+// of it when one is: waiting ranks took 73% of 2 cores on 8 ranks, against 39% over TCP's
+// poll().) Data moves only inside these polls (MPI_Test), on both sides: a step that arrives
+// during a sleep waits for its end, and a large message between two sleeping ranks stalls. A
+// collective's waits (kCollective, kRing) begin only once the negotiation has found every rank
+// ready for it, so its peers are on their way in and the wait is the transfer: they yield for
+// kTransferYieldFor before sleeping (a 1 MiB allreduce on one host, whose chunks take about
+// 100 us each, ran at half of Open MPI's speed when they slept after 100 us); the others
+// (negotiation, set-up) after kNegotiationYieldFor.
 // Past warning_secs_ the ranks still awaited are named on stderr (again every warning_secs_);
 // past shutdown_secs_ the wait fails and the controller is unusable (see the destructor).
 namespace {
-constexpr auto kYieldFor = std::chrono::microseconds(100);
+constexpr auto kNegotiationYieldFor = std::chrono::microseconds(100);
+constexpr auto kTransferYieldFor = std::chrono::microseconds(1000);
 constexpr auto kLongestSleep = std::chrono::microseconds(250);
 }  // namespace
 
@@ -519,6 +526,8 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
   static thread_local const bool slack_set = prctl(PR_SET_TIMERSLACK, 5000UL, 0, 0, 0) == 0;
   static_cast<void>(slack_set);
   double next_warning = warning_secs_;
+  const bool transfer = kind == WaitFor::kCollective || kind == WaitFor::kRing;
+  const microseconds yield_for = transfer ? kTransferYieldFor : kNegotiationYieldFor;
   while (true) {
     std::vector<int> waiting;
     for (size_t i = 0; i < requests->size(); ++i) {
@@ -575,7 +584,7 @@ Status MpiController::Wait(std::vector<MPI_Request>* requests, const std::vector
       next_warning += warning_secs_;
     }
     if (waited < microseconds(20)) continue;
-    if (waited < kYieldFor) {
+    if (waited < yield_for) {
       std::this_thread::yield();
       continue;
     }
