@@ -405,9 +405,19 @@ needs_emulation = pytest.mark.skipif(_why_no_emulation() is not None,
 
 def namespaces_of(pid: int) -> list[str]:
     """The emulated hosts' namespaces that a launcher with this pid left."""
+    return [name for name in _namespaces() if name.startswith(f"{emulate.TAG_PREFIX}{pid}x")]
+
+
+def namespaces_of_cluster(tag: str) -> list[str]:
+    """The namespaces of the one emulated cluster `tag` (its `EmulatedHosts.tag`), whatever
+    other clusters this process runs at the same time."""
+    own = re.compile(rf"{re.escape(tag)}(h\d+|v\d+|br)")
+    return [name for name in _namespaces() if own.fullmatch(name)]
+
+
+def _namespaces() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines()
-            if line.startswith(f"{emulate.TAG_PREFIX}{pid}x")]
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 # ---- other TensorFlow versions (tests/estimator and the TF 2.15 runs) --------------------------
