@@ -13,9 +13,9 @@ its faults, and the rerun).
 
 Every test's launch is independent of the others' (own ranks, own emulated hosts, own
 directories) and spends most of its time waiting on a silence limit or its own ranks: a module
-fixture starts the selected tests' launches at once (harness.LaunchPool) and each test reads its
-own. A checkpoint scenario runs whole in its launch (fault, checks, rerun, checks: the rerun must
-start from what the fault left) and the test gets what it raised.
+fixture starts the selected tests' launches together (harness.LaunchPool, AT_ONCE at a time)
+and each test reads its own. A checkpoint scenario runs whole in its launch (fault, checks,
+rerun, checks: the rerun must start from what the fault left) and the test gets what it raised.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from harness import (
     needs_emulation,
     run_emulated,
     run_perseusrun,
+    selected_tests,
     tf_config_cluster,
     tf_config_env,
     trajectory,
@@ -346,6 +347,8 @@ def fault_run(options: list, args: list, env: dict | None = None,
     return lambda work: run_perseusrun(options, args, env, timeout)
 
 
+# At most that many launches at a time: the others' timing bounds hold on a loaded machine.
+AT_ONCE = 4
 # Each test's launch, by the test's name, longest first. A checkpoint scenario also takes the
 # checkpoint_worker fixture (the worker's module and TensorFlow, for its checks).
 LAUNCHES: dict[str, Callable[[Path], object]] = {
@@ -382,15 +385,14 @@ SCENARIOS = (mpi_cut_link_checkpoints, tcp_killed_worker_checkpoints,
 def launches(request):
     """The launches of the selected tests that run, started at once (`-k` starts only its
     tests'; a test skipped for want of emulated hosts starts nothing)."""
-    names = {item.originalname for item in request.session.items
-             if getattr(item, "module", None) is request.module
-             and not any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))}
+    names = {item.originalname for item in selected_tests(request)
+             if not any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))}
     chosen = {name: launch for name, launch in LAUNCHES.items() if name in names}
     if any(launch in SCENARIOS for launch in chosen.values()):
         worker = request.getfixturevalue("checkpoint_worker")
         chosen = {name: functools.partial(launch, checkpoint_worker=worker)
                   if launch in SCENARIOS else launch for name, launch in chosen.items()}
-    pool = LaunchPool("faults_", chosen)
+    pool = LaunchPool("faults_", chosen, at_once=AT_ONCE)
     yield pool
     pool.close()
 
