@@ -181,13 +181,15 @@ def launch_name(what: str, param) -> str:
     return f"{what}[{'-'.join(map(str, param)) if isinstance(param, tuple) else param}]"
 
 
-def launch_of(item: pytest.Item) -> tuple[str, object]:
-    """(what, parameter): the launch a test reads."""
-    params = item.callspec.params
+def launch_of(item: pytest.Item) -> tuple[str, object] | None:
+    """(what, parameter): the launch a test reads (None: it reads none)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
     for fixture in ("collectives_launch", "errors_run"):
         if fixture in params:
             return fixture, params[fixture]
-    return item.originalname, params["controller"]
+    if item.originalname in SINGLE_LAUNCHES:
+        return item.originalname, params["controller"]
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +197,9 @@ def launches(request) -> LaunchPool:
     """The launches of the selected tests (`-k` starts only theirs), the widest first."""
     chosen: dict[str, tuple[int, Callable]] = {}
     for item in selected_tests(request):
-        what, param = launch_of(item)
-        if launch_name(what, param) in chosen:
+        if launch_of(item) is None or launch_name(*launch_of(item)) in chosen:
             continue
+        what, param = launch_of(item)
         if what == "collectives_launch":
             cases = selected_cases(request, COLLECTIVES_CASES, (what, param))
             ranks, run = param[0], functools.partial(collectives, *param, cases)
