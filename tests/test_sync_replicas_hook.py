@@ -9,14 +9,7 @@ import functools
 from pathlib import Path
 
 import pytest
-from harness import (
-    LaunchPool,
-    run_cases,
-    run_ranks,
-    selected_cases,
-    selected_tests,
-    worker_cases,
-)
+from harness import LaunchPool, run_cases, run_ranks, selected_cases, selected_tests, worker_cases
 
 HOOK = "tests/workers/train_hook.py"
 
