@@ -217,16 +217,23 @@ def worker_cases(script: str) -> list[str]:
     raise ValueError(f"{script} has no literal CASES")
 
 
-def selected_cases(request: pytest.FixtureRequest, cases: list[str]) -> list[str]:
+def selected_tests(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """The selected tests of the requesting fixture's module (what `-k` left of it)."""
+    return [item for item in request.session.items
+            if getattr(item, "module", None) is request.module]
+
+
+def selected_cases(request: pytest.FixtureRequest, cases: list[str],
+                   launch: tuple[str, object] | None = None) -> list[str]:
     """Of `cases`, those a selected test of this module asks for (with the same parameter as
-    this module-scoped fixture, if it has one): `-k` launches only what it runs."""
-    param = getattr(request, "param", None)
+    this module-scoped fixture, if it has one; or, given `launch` (fixture name, parameter),
+    those of that fixture's launch): `-k` launches only what it runs."""
+    fixturename, param = launch or (request.fixturename, getattr(request, "param", None))
     wanted = set()
-    for item in request.session.items:
+    for item in selected_tests(request):
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if (getattr(item, "module", None) is request.module and "case" in params
-                and request.fixturename in getattr(item, "fixturenames", ())
-                and (param is None or params.get(request.fixturename) == param)):
+        if ("case" in params and fixturename in getattr(item, "fixturenames", ())
+                and (param is None or params.get(fixturename) == param)):
             wanted.add(params["case"])
     return [case for case in cases if case in wanted]
 
@@ -344,9 +351,13 @@ class LaunchPool:
     A launch is a function of its own empty output directory, and bounds its processes with a
     timeout (run_ranks, wait_all and finish do)."""
 
-    def __init__(self, prefix: str, launches: dict[str, Callable[[Path], object]]) -> None:
+    def __init__(self, prefix: str, launches: dict[str, Callable[[Path], object]],
+                 at_once: int | None = None) -> None:
+        """`at_once`: at most that many launches run at a time, the next one starting as one
+        ends, in the order of `launches` (default: all of them)."""
         self.root = Path(tempfile.mkdtemp(prefix=prefix))
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(launches)))
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, at_once or len(launches)))
         self._futures = {}
         for name, launch in launches.items():
             out = self.root / name
@@ -405,9 +416,19 @@ needs_emulation = pytest.mark.skipif(_why_no_emulation() is not None,
 
 def namespaces_of(pid: int) -> list[str]:
     """The emulated hosts' namespaces that a launcher with this pid left."""
+    return [name for name in _namespaces() if name.startswith(f"{emulate.TAG_PREFIX}{pid}x")]
+
+
+def namespaces_of_cluster(tag: str) -> list[str]:
+    """The namespaces of the one emulated cluster `tag` (its `EmulatedHosts.tag`), whatever
+    other clusters this process runs at the same time."""
+    own = re.compile(rf"{re.escape(tag)}(h\d+|v\d+|br)")
+    return [name for name in _namespaces() if own.fullmatch(name)]
+
+
+def _namespaces() -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines()
-            if line.startswith(f"{emulate.TAG_PREFIX}{pid}x")]
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
 # ---- other TensorFlow versions (tests/estimator and the TF 2.15 runs) --------------------------

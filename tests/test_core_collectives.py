@@ -4,16 +4,28 @@ Each launch runs one worker script on every rank. core_collectives.py's named ca
 of their own over one launch per rank count and controller (`-k alltoall` launches only that
 case); the other workers check many things and exit non-zero, naming the rank and what failed.
 Every test runs with the MPI controller (perseusrun) and with the TCP controller (perseusrun
---tcp, MPI never initialized).
+--tcp, MPI never initialized). The launches are independent and wait on their ranks more than
+they compute: a module fixture starts those of the selected tests together (harness.LaunchPool,
+AT_ONCE at a time), and each test reads its own.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import time
+from typing import Callable
 
 import pytest
-from harness import CONTROLLERS, run_cases, run_ranks, selected_cases, worker_cases
+from harness import (
+    CONTROLLERS,
+    LaunchPool,
+    run_cases,
+    run_ranks,
+    selected_cases,
+    selected_tests,
+    worker_cases,
+)
 
 LAUNCHER = "perseusrun"
 
@@ -24,11 +36,14 @@ COLLECTIVES_LAUNCHES = [(np_, controller) for controller in CONTROLLERS for np_ 
 
 
 @pytest.fixture(scope="module", params=COLLECTIVES_LAUNCHES, ids=lambda p: f"{p[0]}ranks-{p[1]}")
-def collectives_launch(request):
+def collectives_launch(request, launches):
     """One launch per rank count and controller runs every selected case of the worker."""
-    np_, controller = request.param
-    return run_cases(np_, COLLECTIVES_WORKER, selected_cases(request, COLLECTIVES_CASES),
-                     launcher=LAUNCHER, timeout=240, controller=controller)
+    return launches.result(launch_name("collectives_launch", request.param))
+
+
+def collectives(np_: int, controller: str, cases: list[str]):
+    return run_cases(np_, COLLECTIVES_WORKER, cases, launcher=LAUNCHER, timeout=240,
+                     controller=controller)
 
 
 @pytest.mark.parametrize("case", COLLECTIVES_CASES)
@@ -42,9 +57,13 @@ def test_collective_matches_numpy_for_every_dtype_op_and_submission_order(
 
 
 @pytest.fixture(scope="module", params=CONTROLLERS)
-def errors_run(request):
+def errors_run(request, launches):
+    return launches.result(launch_name("errors_run", request.param))
+
+
+def errors(controller: str) -> str:
     return run_ranks(3, "tests/workers/core_errors.py", launcher=LAUNCHER, timeout=240,
-                     env={"PERSEUS_STALL_WARNING_SECS": "1"}, controller=request.param).stdout
+                     env={"PERSEUS_STALL_WARNING_SECS": "1"}, controller=controller).stdout
 
 
 def test_mismatched_requests_fail_on_every_rank_naming_tensor_ranks_and_values(errors_run):
@@ -67,10 +86,14 @@ def test_stalled_tensor_is_reported_by_rank_0_with_the_missing_rank(errors_run):
     assert counted[1] == counted[2] == 0, errors_run
 
 
+def leaving_early(controller: str) -> str:
+    return run_ranks(3, "tests/workers/core_shutdown_early.py", launcher=LAUNCHER,
+                     timeout=180, controller=controller).stdout
+
+
 @pytest.mark.parametrize("controller", CONTROLLERS)
-def test_rank_leaving_early_fails_the_others_pending_ops_naming_it(controller):
-    out = run_ranks(3, "tests/workers/core_shutdown_early.py", launcher=LAUNCHER,
-                    timeout=180, controller=controller).stdout
+def test_rank_leaving_early_fails_the_others_pending_ops_naming_it(launch, controller):
+    out = launch()
     # Over TCP, rank 1's closed connection may be noticed before its goodbye is read: the
     # error then says so, naming rank 1 and its address.
     named = r"rank 1 (shut down|\(127\.0\.0\.1:\d+\) closed its connection)"
@@ -80,10 +103,15 @@ def test_rank_leaving_early_fails_the_others_pending_ops_naming_it(controller):
                          rf'"later\.y": .*{named}', out), out
 
 
+def shutdown_in_callback(controller: str) -> str:
+    return run_ranks(2, "tests/workers/core_shutdown_in_callback.py", launcher=LAUNCHER,
+                     timeout=120, controller=controller).stdout
+
+
 @pytest.mark.parametrize("controller", CONTROLLERS)
-def test_shutdown_from_a_done_callback_fails_the_others_and_init_starts_afresh(controller):
-    out = run_ranks(2, "tests/workers/core_shutdown_in_callback.py", launcher=LAUNCHER,
-                    timeout=120, controller=controller).stdout
+def test_shutdown_from_a_done_callback_fails_the_others_and_init_starts_afresh(launch,
+                                                                             controller):
+    out = launch()
     assert ('[rank 0] after the callback\'s shutdown: got the expected error: perseus_legacy: '
             'cannot run allreduce "cb.after": ') in out, out
     pending = re.search(r"\[rank 1\] pending on the other rank: got the expected error: (.*)", out)
@@ -93,11 +121,16 @@ def test_shutdown_from_a_done_callback_fails_the_others_and_init_starts_afresh(c
         assert f"[rank {rank}] shutdown in a done callback OK" in out, out
 
 
-@pytest.mark.parametrize("controller", CONTROLLERS)
-def test_killed_rank_ends_the_job_nonzero_within_30_seconds(controller):
+def killed(controller: str) -> tuple:
+    """The ended launch, and when it ended."""
     result = run_ranks(2, "tests/workers/core_killed.py", launcher=LAUNCHER, timeout=60,
                        expect_failure=True, controller=controller)
-    ended = time.time()
+    return result, time.time()
+
+
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_killed_rank_ends_the_job_nonzero_within_30_seconds(launch, controller):
+    result, ended = launch()
     killed = re.search(r"KILLED_AT ([0-9.]+)", result.stdout)
     assert killed, result.stdout
     assert "UNEXPECTED" not in result.stdout, result.stdout
@@ -128,3 +161,60 @@ def test_init_again_after_shutdown_and_stall_shutdown(errors_run, request):
         total = (2 if rank % 2 == 0 else 1) if mpi else 3
         assert f"[rank {rank}] init again: rank {sub_rank} of {size}, sum [{total}, {total}]" \
             in errors_run, errors_run
+
+
+# ---- the launches of the selected tests, started together ------------------------------------
+
+AT_ONCE = 4
+# The launches the tests read by their name (each takes the controller); the collectives'
+# launches take their rank count and cases too. Ranks: the pool starts the widest first.
+SINGLE_LAUNCHES: dict[str, tuple[int, Callable]] = {
+    "errors_run": (3, errors),
+    "test_rank_leaving_early_fails_the_others_pending_ops_naming_it": (3, leaving_early),
+    "test_shutdown_from_a_done_callback_fails_the_others_and_init_starts_afresh": (
+        2, shutdown_in_callback),
+    "test_killed_rank_ends_the_job_nonzero_within_30_seconds": (2, killed),
+}
+
+
+def launch_name(what: str, param) -> str:
+    return f"{what}[{'-'.join(map(str, param)) if isinstance(param, tuple) else param}]"
+
+
+def launch_of(item: pytest.Item) -> tuple[str, object] | None:
+    """(what, parameter): the launch a test reads (None: it reads none)."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for fixture in ("collectives_launch", "errors_run"):
+        if fixture in params:
+            return fixture, params[fixture]
+    if item.originalname in SINGLE_LAUNCHES:
+        return item.originalname, params["controller"]
+    return None
+
+
+@pytest.fixture(scope="module")
+def launches(request) -> LaunchPool:
+    """The launches of the selected tests (`-k` starts only theirs), the widest first."""
+    chosen: dict[str, tuple[int, Callable]] = {}
+    for item in selected_tests(request):
+        if launch_of(item) is None or launch_name(*launch_of(item)) in chosen:
+            continue
+        what, param = launch_of(item)
+        if what == "collectives_launch":
+            cases = selected_cases(request, COLLECTIVES_CASES, (what, param))
+            ranks, run = param[0], functools.partial(collectives, *param, cases)
+        else:
+            ranks, single = SINGLE_LAUNCHES[what]
+            run = functools.partial(single, param)
+        chosen[launch_name(what, param)] = ranks, run
+    order = sorted(chosen, key=lambda name: -chosen[name][0])
+    pool = LaunchPool("core_collectives_", {name: (lambda work, run=chosen[name][1]: run())
+                                            for name in order}, at_once=AT_ONCE)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def launch(launches, request) -> Callable[[], object]:
+    """This test's launch: calling it waits for its result (or raises what the launch raised)."""
+    return functools.partial(launches.result, launch_name(*launch_of(request.node)))

@@ -10,28 +10,39 @@ Workers: tests/workers/fault_rank.py (a 4 KiB allreduce loop; rank 1 fails after
 each survivor prints `FAULT_SEEN after S s`, S counted from its last completed step) and
 tests/workers/fault_checkpoint.py (an Estimator with run_config() and checkpoints every 3 steps,
 its faults, and the rerun).
+
+Every test's launch is independent of the others' (own ranks, own emulated hosts, own
+directories) and spends most of its time waiting on a silence limit or its own ranks: a module
+fixture starts the selected tests' launches together (harness.LaunchPool, AT_ONCE at a time)
+and each test reads its own. A checkpoint scenario runs whole in its launch (fault, checks,
+rerun, checks: the rerun must start from what the fault left) and the test gets what it raised.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
+import pytest
 from harness import (
     CHECKPOINT_WORKER,
     ROOT,
+    LaunchPool,
     assert_resumed,
     assert_whole_checkpoints,
     end_processes,
     failure_summary,
-    namespaces_of,
+    namespaces_of_cluster,
     needs_emulation,
     run_emulated,
     run_perseusrun,
+    selected_tests,
     tf_config_cluster,
     tf_config_env,
     trajectory,
@@ -71,8 +82,8 @@ def assert_fault_named(out: str, survivor: int, lost: int, bound: float, where: 
     return secs
 
 
-def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_bound():
-    code, out = run_perseusrun(["-np", "2"], [WORKER, "stop"], MPI_LIMITS)
+def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_bound(launch):
+    code, out = launch()
     assert code != 0, out
     assert re.search(r"perseus_legacy\[rank 0\]: WARNING: waiting \d+ s for rank 1 \(host \S+\) "
                      r"to answer", out), out
@@ -81,9 +92,9 @@ def test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_
     assert "aborting the MPI job" in out, out  # not MPI_Finalize, which waits for rank 1
 
 
-def test_mpi_frozen_rank_0_fails_the_others_within_the_bound_naming_it():
+def test_mpi_frozen_rank_0_fails_the_others_within_the_bound_naming_it(launch):
     """The coordinator itself frozen: the other ranks wait on its answer, and name it."""
-    code, out = run_perseusrun(["-np", "2"], [WORKER, "stop", "0"], MPI_LIMITS)
+    code, out = launch()
     assert code != 0, out
     secs = assert_fault_named(out, 1, 0, MPI_BOUND_SECS, "(host ")
     assert secs >= MPI_BOUND_SECS - 1, secs
@@ -98,39 +109,42 @@ def cut_host(out: str) -> str:
 
 
 @needs_emulation
-def test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host():
+def test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host(launch):
     """Rank 0 fails within the bound and aborts the job; mpirun then cannot reach the cut host's
     daemon and would wait for it, so perseusrun ends the job ABORT_GRACE_SECONDS later with the
     abort's exit code, well before its --timeout (exit 124)."""
-    code, out = run_perseusrun(["--emulate-hosts", "2"], [WORKER, "cut"], MPI_LIMITS, timeout=300)
+    code, out = launch()
     assert code == supervise.ABORT_EXIT_CODE, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
 
 
-def test_tcp_frozen_rank_fails_the_others_within_the_silence_limit_naming_it():
-    code, out = run_perseusrun(["--tcp", "-np", "2"], [WORKER, "stop"])
+def test_tcp_frozen_rank_fails_the_others_within_the_silence_limit_naming_it(launch):
+    code, out = launch()
     assert code != 0, out
     assert_fault_named(out, 0, 1, TCP_BOUND_SECS, "127.0.0.1:")
 
 
 @needs_emulation
-def test_tcp_cut_link_fails_the_other_host_within_the_silence_limit_naming_rank_and_host():
-    code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2"], [WORKER, "cut"])
+def test_tcp_cut_link_fails_the_other_host_within_the_silence_limit_naming_rank_and_host(
+        launch):
+    code, out = launch()
     assert code != 0, out
     assert_fault_named(out, 0, 1, TCP_BOUND_SECS, ".2:")
 
 
+# 2 hosts x 2 ranks, rank 1 frozen: the silence limit of the test below.
+FROZEN_AMONG_4_BOUND_SECS = 5
+
+
 @needs_emulation
-def test_tcp_frozen_rank_among_4_on_2_hosts_is_named_by_every_survivor():
+def test_tcp_frozen_rank_among_4_on_2_hosts_is_named_by_every_survivor(launch):
     """2 hosts x 2 ranks running 8 MiB allreduces (hierarchical, phases overlapped on slices):
     rank 1 freezes before its next request. Rank 0 waits on it directly; ranks 2 and 3 wait on
     rank 0's answer, and must not blame rank 0: every survivor that reports (the launcher ends
     the job after the first) names rank 1, within the silence limit (PERSEUS_STALL_SHUTDOWN_SECS,
     below 30 s)."""
-    bound = 5
-    code, out = run_perseusrun(["--tcp", "--emulate-hosts", "2:2"],
-                               [WORKER, "stop", "1", str(2 << 20)],
-                               {"PERSEUS_STALL_SHUTDOWN_SECS": str(bound)})
+    bound = FROZEN_AMONG_4_BOUND_SECS
+    code, out = launch()
     assert code != 0, out
     assert_fault_named(out, 0, 1, bound, None)
     for survivor in (2, 3):
@@ -140,9 +154,8 @@ def test_tcp_frozen_rank_among_4_on_2_hosts_is_named_by_every_survivor():
     assert pipelined and int(pipelined.group(1)) >= 20, out
 
 
-def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit():
-    code, out = run_perseusrun(["-np", "2"], [ROOT / "tests" / "workers" / "fault_chief.py"],
-                               {"PERSEUS_CHIEF_WAIT_SECS": "3"})
+def test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit(launch):
+    code, out = launch()
     assert code not in (0, 124), out
     seen = re.search(r"\[rank 1\] CHIEF_WAIT_FAILED after ([\d.]+) s: (.*)", out)
     assert seen, out
@@ -173,6 +186,7 @@ def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
                         [sys.executable, str(ROOT / CHECKPOINT_WORKER), str(tmp_path / "model"),
                          str(tmp_path), phase], env=env, cwd=ROOT, stdout=log,
                         stderr=subprocess.STDOUT))
+            tag = hosts.tag
             deadline = time.monotonic() + CHECKPOINT_TIMEOUT
             wait_all(procs, CHECKPOINT_TIMEOUT, stop_on_failure=False)
     finally:
@@ -180,23 +194,18 @@ def run_tf_config_job(tmp_path: Path, phase: str) -> tuple:
     out = "\n".join(f"--- {log.name}, exit {proc.returncode}:\n{log.read_text()}"
                     for log, proc in zip(logs, procs))
     assert time.monotonic() < deadline, f"the {phase} job outlived {CHECKPOINT_TIMEOUT} s:\n{out}"
-    assert not namespaces_of(os.getpid()), out
+    assert not namespaces_of_cluster(tag), out
     return [proc.returncode for proc in procs], out
 
 
-@needs_emulation
-def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
-        tmp_path, checkpoint_worker):
-    """2 hosts x 1 rank over MPI: rank 1 cuts its host's link after step 7. Rank 0 fails
-    within the stall limit naming rank 1 and its host, and saves step 7 first; `checkpoint`
-    names steps 0, 3, 6, 7, all whole; a healthy rerun starts every rank at step 7 and ends
-    where one uninterrupted process on the global batch does."""
+def mpi_cut_link_checkpoints(work: Path, checkpoint_worker: tuple) -> None:
+    """The fault, its checks, the rerun and its checks: the test below names them."""
     worker, tf = checkpoint_worker
-    model_dir = tmp_path / "model"
-    env = {**MPI_LIMITS, "TMPDIR": str(tmp_path)}  # the other rank's private model_dir too
+    model_dir = work / "model"
+    env = {**MPI_LIMITS, "TMPDIR": str(work)}  # the other rank's private model_dir too
     code, out = run_perseusrun(["--emulate-hosts", "2"],
-                          [ROOT / CHECKPOINT_WORKER, model_dir, tmp_path, "cut"], env,
-                          timeout=CHECKPOINT_TIMEOUT)
+                               [ROOT / CHECKPOINT_WORKER, model_dir, work, "cut"], env,
+                               timeout=CHECKPOINT_TIMEOUT)
     assert code == supervise.ABORT_EXIT_CODE, out
     assert "UNEXPECTED" not in out, out
     assert_fault_named(out, 0, 1, MPI_BOUND_SECS, f"host {cut_host(out)}")
@@ -209,50 +218,37 @@ def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun
     saved = [*range(0, worker.FAULT_STEP + 1, worker.EVERY), worker.FAULT_STEP]
     assert_whole_checkpoints(tf, model_dir, saved, expected)
 
-    run_emulated(["--emulate-hosts", "2"], CHECKPOINT_WORKER, model_dir, tmp_path, "resume",
+    run_emulated(["--emulate-hosts", "2"], CHECKPOINT_WORKER, model_dir, work, "resume",
                  env=env, timeout=CHECKPOINT_TIMEOUT)
-    assert_resumed(tmp_path, saved[-1], expected)
+    assert_resumed(work, saved[-1], expected)
     # max_to_keep=5 of the Estimator's saver: step 0's checkpoint makes room for step 12's.
     assert_whole_checkpoints(tf, model_dir, [3, 6, worker.FAULT_STEP, 10, 12], expected)
 
 
-@needs_emulation
-def test_tcp_killed_worker_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
-        tmp_path, checkpoint_worker):
-    """A TF_CONFIG chief and worker on 2 hosts (the TCP group): the worker is killed (SIGKILL)
-    after step 7. The chief fails at once naming rank 1 and its address, and saves step 7 first;
-    `checkpoint` names steps 0, 3, 6, 7, all whole; a healthy rerun (the pods restarted) resumes
-    at step 7, losing nothing, and ends where one uninterrupted process on the global batch
-    does."""
+def tcp_killed_worker_checkpoints(work: Path, checkpoint_worker: tuple) -> None:
+    """The fault, its checks, the rerun and its checks: the test below names them."""
     worker, tf = checkpoint_worker
-    codes, out = run_tf_config_job(tmp_path, "kill")
+    codes, out = run_tf_config_job(work, "kill")
     assert codes == [1, -9], out
     assert_fault_named(out, 0, 1, TCP_CLOSED_BOUND_SECS, f".2:{TF_CONFIG_PORT}",
                        what="the process exited or was killed")
     assert f"rank 1 was lost; saved global step {worker.FAULT_STEP}" in out, out
     expected = trajectory(worker)
     saved = [*range(0, worker.FAULT_STEP + 1, worker.EVERY), worker.FAULT_STEP]
-    assert_whole_checkpoints(tf, tmp_path / "model", saved, expected)
+    assert_whole_checkpoints(tf, work / "model", saved, expected)
 
-    codes, out = run_tf_config_job(tmp_path, "resume")
+    codes, out = run_tf_config_job(work, "resume")
     assert codes == [0, 0], out
-    assert_resumed(tmp_path, saved[-1], expected)
+    assert_resumed(work, saved[-1], expected)
     # max_to_keep=5 of the Estimator's saver: step 0's checkpoint makes room for step 12's.
-    assert_whole_checkpoints(tf, tmp_path / "model", [3, 6, worker.FAULT_STEP, 10, 12], expected)
+    assert_whole_checkpoints(tf, work / "model", [3, 6, worker.FAULT_STEP, 10, 12], expected)
 
 
-@needs_emulation
-def test_chief_killed_while_writing_a_checkpoint_leaves_the_survivor_to_save_it_and_a_rerun_resumes(
-        tmp_path, checkpoint_worker):
-    """A TF_CONFIG chief and worker on 2 hosts: the chief (rank 0, the only writer) kills itself
-    in the save of step 6, its shard files written into `model.ckpt-6_temp/` but not merged.
-    The worker fails at once naming rank 0 and, now the lowest survivor, saves the step it
-    completed, 6, into the chief's model_dir: its save replaces the half-written files, and
-    `checkpoint` names steps 0, 3 and 6, all whole; a rerun resumes at step 6 and ends where one
-    uninterrupted process on the global batch does."""
+def chief_killed_saving_checkpoints(work: Path, checkpoint_worker: tuple) -> None:
+    """The fault, its checks, the rerun and its checks: the test below names them."""
     worker, tf = checkpoint_worker
-    model_dir = tmp_path / "model"
-    codes, out = run_tf_config_job(tmp_path, "kill_saving")
+    model_dir = work / "model"
+    codes, out = run_tf_config_job(work, "kill_saving")
     assert codes == [-9, 1], out
     assert "[rank 0] KILLED while saving" in out, out
     assert_fault_named(out, 1, 0, TCP_CLOSED_BOUND_SECS, f".1:{TF_CONFIG_PORT}",
@@ -265,27 +261,22 @@ def test_chief_killed_while_writing_a_checkpoint_leaves_the_survivor_to_save_it_
     saved = list(range(0, step + 1, worker.EVERY))
     assert_whole_checkpoints(tf, model_dir, saved, expected)
 
-    codes, out = run_tf_config_job(tmp_path, "resume")
+    codes, out = run_tf_config_job(work, "resume")
     assert codes == [0, 0], out
-    assert_resumed(tmp_path, saved[-1], expected)
+    assert_resumed(work, saved[-1], expected)
     assert_whole_checkpoints(tf, model_dir, list(range(0, worker.TOTAL_STEPS + 1, worker.EVERY)),
                              expected)
 
 
-@needs_emulation
-def test_disk_full_in_a_checkpoint_save_fails_every_rank_clearly_and_keeps_the_last_whole_one(
-        tmp_path, checkpoint_worker):
-    """A TF_CONFIG chief and worker on 2 hosts: rank 0's model_dir is a 512 KiB tmpfs, which it
-    fills after step 5. Its save of step 6 fails saying the device has no space left; the worker
-    fails with that cause within STEP_ERROR_BOUND_SECS, naming rank 0, and saves nothing;
-    `checkpoint` still names steps 0 and 3, both whole."""
+def disk_full_checkpoints(work: Path, checkpoint_worker: tuple) -> None:
+    """The fault, its checks, the rerun and its checks: the test below names them."""
     worker, tf = checkpoint_worker
-    model_dir = tmp_path / "model"
+    model_dir = work / "model"
     model_dir.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(model_dir)],
                    check=True, timeout=30)
     try:
-        codes, out = run_tf_config_job(tmp_path, "disk_full")
+        codes, out = run_tf_config_job(work, "disk_full")
         assert codes == [1, 1], out
         assert "[rank 0] FAULT disk full after" in out, out
         for rank in range(2):
@@ -303,3 +294,110 @@ def test_disk_full_in_a_checkpoint_save_fails_every_rank_clearly_and_keeps_the_l
                                                             worker.EVERY)), expected)
     finally:
         subprocess.run(["umount", str(model_dir)], check=True, timeout=30)
+
+
+@needs_emulation
+def test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
+        launch):
+    """2 hosts x 1 rank over MPI: rank 1 cuts its host's link after step 7. Rank 0 fails
+    within the stall limit naming rank 1 and its host, and saves step 7 first; `checkpoint`
+    names steps 0, 3, 6, 7, all whole; a healthy rerun starts every rank at step 7 and ends
+    where one uninterrupted process on the global batch does."""
+    launch()
+
+
+@needs_emulation
+def test_tcp_killed_worker_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes(
+        launch):
+    """A TF_CONFIG chief and worker on 2 hosts (the TCP group): the worker is killed (SIGKILL)
+    after step 7. The chief fails at once naming rank 1 and its address, and saves step 7 first;
+    `checkpoint` names steps 0, 3, 6, 7, all whole; a healthy rerun (the pods restarted) resumes
+    at step 7, losing nothing, and ends where one uninterrupted process on the global batch
+    does."""
+    launch()
+
+
+@needs_emulation
+def test_chief_killed_while_writing_a_checkpoint_leaves_the_survivor_to_save_it_and_a_rerun_resumes(
+        launch):
+    """A TF_CONFIG chief and worker on 2 hosts: the chief (rank 0, the only writer) kills itself
+    in the save of step 6, its shard files written into `model.ckpt-6_temp/` but not merged.
+    The worker fails at once naming rank 0 and, now the lowest survivor, saves the step it
+    completed, 6, into the chief's model_dir: its save replaces the half-written files, and
+    `checkpoint` names steps 0, 3 and 6, all whole; a rerun resumes at step 6 and ends where one
+    uninterrupted process on the global batch does."""
+    launch()
+
+
+@needs_emulation
+def test_disk_full_in_a_checkpoint_save_fails_every_rank_clearly_and_keeps_the_last_whole_one(
+        launch):
+    """A TF_CONFIG chief and worker on 2 hosts: rank 0's model_dir is a 512 KiB tmpfs, which it
+    fills after step 5. Its save of step 6 fails saying the device has no space left; the worker
+    fails with that cause within STEP_ERROR_BOUND_SECS, naming rank 0, and saves nothing;
+    `checkpoint` still names steps 0 and 3, both whole."""
+    launch()
+
+
+# ---- every selected test's launch, started at once ---------------------------------------------
+
+def fault_run(options: list, args: list, env: dict | None = None,
+              timeout: float = 150) -> Callable[[Path], tuple[int, str]]:
+    """A launch that ends with a fault: (exit code, output of all ranks)."""
+    return lambda work: run_perseusrun(options, args, env, timeout)
+
+
+# At most that many launches at a time: the others' timing bounds hold on a loaded machine.
+AT_ONCE = 4
+# Each test's launch, by the test's name, longest first. A checkpoint scenario also takes the
+# checkpoint_worker fixture (the worker's module and TensorFlow, for its checks).
+LAUNCHES: dict[str, Callable[[Path], object]] = {
+    "test_mpi_cut_link_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes":
+        mpi_cut_link_checkpoints,
+    "test_tcp_killed_worker_mid_estimator_training_keeps_whole_checkpoints_and_a_rerun_resumes":
+        tcp_killed_worker_checkpoints,
+    "test_chief_killed_while_writing_a_checkpoint_leaves_the_survivor_to_save_it_and_a_rerun_"
+    "resumes": chief_killed_saving_checkpoints,
+    "test_disk_full_in_a_checkpoint_save_fails_every_rank_clearly_and_keeps_the_last_whole_one":
+        disk_full_checkpoints,
+    "test_tcp_frozen_rank_fails_the_others_within_the_silence_limit_naming_it":
+        fault_run(["--tcp", "-np", "2"], [WORKER, "stop"]),
+    "test_tcp_cut_link_fails_the_other_host_within_the_silence_limit_naming_rank_and_host":
+        fault_run(["--tcp", "--emulate-hosts", "2"], [WORKER, "cut"]),
+    "test_ranks_waiting_for_a_stuck_rank_0_give_up_after_the_chief_wait_limit":
+        fault_run(["-np", "2"], [ROOT / "tests" / "workers" / "fault_chief.py"],
+                  {"PERSEUS_CHIEF_WAIT_SECS": "3"}),
+    "test_mpi_cut_link_fails_the_other_host_within_the_bound_naming_rank_and_host":
+        fault_run(["--emulate-hosts", "2"], [WORKER, "cut"], MPI_LIMITS, timeout=300),
+    "test_tcp_frozen_rank_among_4_on_2_hosts_is_named_by_every_survivor":
+        fault_run(["--tcp", "--emulate-hosts", "2:2"], [WORKER, "stop", "1", str(2 << 20)],
+                  {"PERSEUS_STALL_SHUTDOWN_SECS": str(FROZEN_AMONG_4_BOUND_SECS)}),
+    "test_mpi_frozen_rank_is_named_in_a_warning_then_fails_the_others_within_the_bound":
+        fault_run(["-np", "2"], [WORKER, "stop"], MPI_LIMITS),
+    "test_mpi_frozen_rank_0_fails_the_others_within_the_bound_naming_it":
+        fault_run(["-np", "2"], [WORKER, "stop", "0"], MPI_LIMITS),
+}
+SCENARIOS = (mpi_cut_link_checkpoints, tcp_killed_worker_checkpoints,
+             chief_killed_saving_checkpoints, disk_full_checkpoints)
+
+
+@pytest.fixture(scope="module")
+def launches(request):
+    """The launches of the selected tests that run, started at once (`-k` starts only its
+    tests'; a test skipped for want of emulated hosts starts nothing)."""
+    names = {item.originalname for item in selected_tests(request)
+             if not any(mark.args and mark.args[0] for mark in item.iter_markers("skipif"))}
+    chosen = {name: launch for name, launch in LAUNCHES.items() if name in names}
+    if any(launch in SCENARIOS for launch in chosen.values()):
+        worker = request.getfixturevalue("checkpoint_worker")
+        chosen = {name: functools.partial(launch, checkpoint_worker=worker)
+                  if launch in SCENARIOS else launch for name, launch in chosen.items()}
+    pool = LaunchPool("faults_", chosen, at_once=AT_ONCE)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def launch(launches, request) -> Callable[[], object]:
+    """This test's launch: calling it waits for its result (or raises what the launch raised)."""
+    return functools.partial(launches.result, request.node.originalname)

@@ -3,17 +3,21 @@ one-process run (tests/workers/hvd_*.py).
 
 The named cases of hvd_api, hvd_adasum, hvd_elastic and hvd_keras run through hvd_checks.py, one
 launch per configuration (LAUNCHES) for every test that names it: each case is a test of its own
-and `-k` launches only what it selects."""
+and `-k` launches only what it selects. Those launches start together, AT_ONCE at a time
+(harness.LaunchPool)."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from harness import (
     ROOT,
     WORKERS,
+    LaunchPool,
     finish,
     python_for,
     rank_env,
@@ -49,14 +53,32 @@ LAUNCHES = {
 }
 
 
+AT_ONCE = 2
+
+
+def run_launch(name: str, cases: list[str], work: Path):
+    ranks, controller, version, timeout, _ = LAUNCHES[name]
+    return run_cases(ranks, CHECKS_WORKER, cases, timeout=timeout, controller=controller,
+                     python=python_for(version), env={"PERSEUS_EXPECT_CONTROLLER": controller})
+
+
 @pytest.fixture(scope="module")
-def hvd_launch(request):
-    """The launch LAUNCHES[request.param] (a test's indirect parameter), once for the module,
-    running the cases the selected tests ask of it."""
-    ranks, controller, version, timeout, cases = LAUNCHES[request.param]
-    return run_cases(ranks, CHECKS_WORKER, selected_cases(request, cases), timeout=timeout,
-                     controller=controller, python=python_for(version),
-                     env={"PERSEUS_EXPECT_CONTROLLER": controller})
+def hvd_launches(request) -> LaunchPool:
+    """Every launch of LAUNCHES that a selected test names, the widest first, running the cases
+    the selected tests ask of it."""
+    chosen = {name: selected_cases(request, LAUNCHES[name][4], ("hvd_launch", name))
+              for name in sorted(LAUNCHES, key=lambda name: -LAUNCHES[name][0])}
+    pool = LaunchPool("horovod_api_", {name: functools.partial(run_launch, name, cases)
+                                       for name, cases in chosen.items() if cases},
+                      at_once=AT_ONCE)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module")
+def hvd_launch(request, hvd_launches):
+    """The launch LAUNCHES[request.param] (a test's indirect parameter), once for the module."""
+    return hvd_launches.result(request.param)
 
 
 @pytest.mark.parametrize("case", API)

@@ -1,19 +1,55 @@
 """SyncReplicasHook / distribute_graph: a plain optimizer's graph rewritten to average gradients
 over real ranks; plus a single-process check of the error for an update op it cannot rewrite
-(this pytest process never initialises MPI)."""
+(this pytest process never initialises MPI). The launches of the selected tests start together,
+AT_ONCE at a time (harness.LaunchPool), and each test reads its own."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import pytest
-from harness import run_cases, run_ranks, selected_cases, worker_cases
+from harness import LaunchPool, run_cases, run_ranks, selected_cases, selected_tests, worker_cases
 
 HOOK = "tests/workers/train_hook.py"
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
-def hook_training(request):
-    return run_cases(request.param, HOOK, selected_cases(request, worker_cases(HOOK)),
-                     timeout=110)
+AT_ONCE = 2
+HOOK_RANKS = [2, 3]
+STOPS = [(2, "short-first"), (3, "short-last"), (3, "stop-hook")]
+
+
+def hook_cases(np_: int, cases: list[str], work: Path):
+    return run_cases(np_, HOOK, cases, timeout=110)
+
+
+def stop_run(np_: int, scenario: str, work: Path) -> str:
+    return run_ranks(np_, "tests/workers/train_stop.py", work, scenario, timeout=120).stdout
+
+
+@pytest.fixture(scope="module")
+def launches(request) -> LaunchPool:
+    """The launches of the selected tests, the widest first."""
+    chosen = {}
+    for np_ in HOOK_RANKS:
+        cases = selected_cases(request, worker_cases(HOOK), ("hook_training", np_))
+        if cases:
+            chosen[f"hook-{np_}"] = np_, functools.partial(hook_cases, np_, cases)
+    for item in selected_tests(request):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "scenario" in params:
+            np_, scenario = params["np_"], params["scenario"]
+            chosen[f"stop-{scenario}"] = np_, functools.partial(stop_run, np_, scenario)
+    pool = LaunchPool("sync_replicas_hook_", {
+        name: chosen[name][1] for name in sorted(chosen, key=lambda name: -chosen[name][0])},
+        at_once=AT_ONCE)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module", params=HOOK_RANKS, ids=lambda n: f"{n}ranks")
+def hook_training(request, launches):
+    return launches.result(f"hook-{request.param}")
 
 
 @pytest.mark.parametrize("case", worker_cases(HOOK))
@@ -29,16 +65,15 @@ def test_plain_optimizer_with_sync_replicas_hook_equals_single_process_on_the_gl
     hook_training.check(case)
 
 
-@pytest.mark.parametrize("np_,scenario", [(2, "short-first"), (3, "short-last"),
-                                          (3, "stop-hook")])
+@pytest.mark.parametrize("np_,scenario", STOPS)
 def test_ranks_that_stop_at_different_steps_all_end_after_the_last_common_step(np_, scenario,
-                                                                                tmp_path):
+                                                                                launches):
     """One rank's tf.data input ends after 4 batches while the others have 6 (rank 0 short, or
     the last rank short: rank 0 then undoes its extra step), or the last rank alone has
     StopAtStepHook(4): every rank exits 0 at global step 4, with Adam's variables equal to
     single-process training on the first 4 global batches (rtol 1e-5, atol 1e-6), and rank 0's
     latest checkpoint is step 4 with those values."""
-    out = run_ranks(np_, "tests/workers/train_stop.py", tmp_path, scenario, timeout=120).stdout
+    out = launches.result(f"stop-{scenario}")
     assert out.count("OK:") == np_, out
 
 

@@ -1,15 +1,18 @@
 """The TensorFlow collectives on real multi-rank launches, plus the op library's lazy loading.
 
 One launch per configuration runs every named case of tests/workers/tf_collectives.py; each
-case is a test of its own (`-k allgather_graph` launches only that case)."""
+case is a test of its own (`-k allgather_graph` launches only that case). The launches start
+together, AT_ONCE at a time (harness.LaunchPool): each spends part of its time waiting on its
+ranks' start and on the other ranks."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 
 import pytest
-from harness import ROOT, launch_env, run_cases, selected_cases, worker_cases
+from harness import ROOT, LaunchPool, launch_env, run_cases, selected_cases, worker_cases
 
 WORKER = "tests/workers/tf_collectives.py"
 CASES = worker_cases(WORKER)
@@ -19,11 +22,32 @@ LAUNCHES = [(1, "perseusrun", "mpi"), (2, "mpirun", "mpi"), (3, "perseusrun", "m
             (2, "perseusrun", "tcp")]
 
 
-@pytest.fixture(scope="module", params=LAUNCHES, ids=lambda p: f"{p[0]}ranks-{p[1]}-{p[2]}")
-def launch(request):
-    np_, launcher, controller = request.param
-    return run_cases(np_, WORKER, selected_cases(request, CASES), launcher=launcher,
-                     controller=controller, timeout=600)
+AT_ONCE = 2
+
+
+def launch_id(launch: tuple) -> str:
+    return "{}ranks-{}-{}".format(*launch)
+
+
+def run_launch(launch: tuple, cases: list[str], work) -> object:
+    np_, launcher, controller = launch
+    return run_cases(np_, WORKER, cases, launcher=launcher, controller=controller, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def launches(request) -> LaunchPool:
+    """The launches of the selected cases, the widest first."""
+    chosen = {launch: selected_cases(request, CASES, ("launch", launch)) for launch in
+              sorted(LAUNCHES, key=lambda launch: -launch[0])}
+    pool = LaunchPool("tf_ops_", {launch_id(launch): functools.partial(run_launch, launch, cases)
+                                  for launch, cases in chosen.items() if cases}, at_once=AT_ONCE)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="module", params=LAUNCHES, ids=launch_id)
+def launch(request, launches):
+    return launches.result(launch_id(request.param))
 
 
 @pytest.mark.parametrize("case", CASES)
