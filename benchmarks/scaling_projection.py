@@ -261,7 +261,8 @@ def project(constants: Constants, models: list, real_link_bytes_s: float,
 
 
 def print_checks(rows: list, constants: Constants, byte_scale: float, link: float) -> None:
-    print("| model | system | hosts x ranks | delay (ms) | algorithm | measured ms/step | model "
+    print("| model | system | hosts x ranks | delay (ms) | algorithm for a step's bytes | "
+          "measured ms/step | model "
           "ms/step | error | measured efficiency | model efficiency | cores busy |")
     print("|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|")
     checks = predictions(rows, constants, byte_scale, link)
