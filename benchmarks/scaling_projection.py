@@ -21,12 +21,15 @@ The step (bench_common/scaling_model.py's profile of the model):
     `LOCAL_HOP_MS`, 2(G-1)/G of the bytes at `LOCAL_BYTES_S`), and between them each local rank
     allreduces its 1/G slice across the hosts at once, the G of them sharing the host's link;
 - every message between hosts also waits the run's added link delay (`link_delay_ms`, one way);
-- the step ends when backward and the last collective have ended, plus what the same system's
-  one-host step measured beyond the profile's compute (the waits' own cost, the optimizer).
+- the step ends when backward and the last collective have ended, then every rank agrees on
+  whether a hook stopped or raised (perseus_legacy.tf1.stopping: one more round, an allreduce
+  of 24 bytes a rank), plus what the same system's one-host step measured beyond the
+  profile's compute (the waits' own cost, the optimizer).
 
-Two constants are fitted, to the `run_config_tcp` rows with one rank a host and no added delay
-(the transport whose CPU stays well below the machine's 2 cores, so that its rows measure the
-links and the runtime rather than the machine): the share of the link rate a transfer reaches
+Two constants are fitted, to the `run_config_tcp` rows with one rank a host, no added delay
+and at most half of the machine's cores busy (the transport whose CPU stays lowest, and only
+where it does, so that the rows measure the links and the runtime rather than the machine;
+the model has no CPU in it): the share of the link rate a transfer reaches
 and the latency of one message between hosts. Every other row is a prediction: the delayed
 rows add the delay to the hop and nothing else. The projection keeps the constants, takes the
 real bytes on 25 Gbit/s links, H servers x G ranks with the runtime's default policy told the
@@ -49,6 +52,9 @@ HERE = Path(__file__).resolve().parent
 
 REFERENCE = HERE / "scaling_reference.jsonl"
 CALIBRATION_SYSTEM = "run_config_tcp"
+# Rows whose ranks kept more of the machine's cores busy measure the machine as much as the
+# links and the runtime (the model has no CPU in it): they are checked, not fitted.
+MAX_CALIBRATION_CPU = 0.5
 # The rows the model is about: this product's runtime (other systems run other allreduces).
 PRODUCT_SYSTEMS = {"run_config_mpi", "run_config_tcp", "run_config_tcp_ring", "sync_hook_mpi",
                    "dist_opt_mpi"}
@@ -63,6 +69,8 @@ MPI_RING_MIN_BYTES = 1 << 20
 MPI_CROSS_RING_MIN_BYTES = 64 << 10
 PROJECTED_HOSTS = (16, 32, 64, 128, 256, 512)
 REAL_LINK = "25gbit"
+# The stop agreement after each step (perseus_legacy.tf1.gate): a [ranks, 3] int64 table.
+AGREEMENT_BYTES_PER_RANK = 24
 HOROVOD_PUBLISHED = {"inception3": 0.90, "resnet101": 0.90, "vgg16": 0.68}  # 128 x 4 GPUs
 # The runtime's defaults (docs/settings.md): PERSEUS_ALLREDUCE_HOP_LATENCY_US and _LINK_GBIT.
 DEFAULT_POLICY_HOP_US = 50.0
@@ -91,6 +99,7 @@ class Cluster:
     policy_hop_us: float = DEFAULT_POLICY_HOP_US  # the runtime's cost model: what it picks by
     policy_gbit: float = DEFAULT_POLICY_GBIT
     wire_bytes: float = 1.0  # bytes on the wire per gradient byte: 0.5 with fp16 compression
+    stop_agreement: bool = True  # the round after each step (runs before 28 November had none)
 
 
 def _core():
@@ -148,7 +157,17 @@ def step_ms(profile: scaling_model.Profile, cluster: Cluster, constants: Constan
         fused = sum(size for _, size in ready[index:group])
         free = start + round_ms(cluster, constants, fused, group - index)
         index = group
-    return profile.forward_ms + max(profile.backward_ms, free) + one_host_extra_ms
+    return profile.forward_ms + max(profile.backward_ms, free) + agreement_ms(cluster, constants) \
+        + one_host_extra_ms
+
+
+def agreement_ms(cluster: Cluster, constants: Constants) -> float:
+    """The stop agreement after a step: one round of one small table, not compressed."""
+    if not cluster.stop_agreement:
+        return 0.0
+    ranks = cluster.hosts * cluster.ranks_per_host
+    return round_ms(replace(cluster, wire_bytes=1.0), constants, AGREEMENT_BYTES_PER_RANK * ranks,
+                    1)
 
 
 @functools.cache
@@ -171,7 +190,8 @@ def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
                    byte_scale=row.get("byte_scale", byte_scale),
                    delay_ms=row.get("link_delay_ms") or 0.0,
                    transport="tcp" if row["system"].endswith(("_tcp", "_ring")) else "mpi",
-                   algorithm=row.get("allreduce_algorithm") or "auto")
+                   algorithm=row.get("allreduce_algorithm") or "auto",
+                   stop_agreement=row.get("stop_agreement", True))
 
 
 def one_host_extra(rows: list, row: dict, profile) -> float | None:
@@ -187,7 +207,8 @@ def one_host_extra(rows: list, row: dict, profile) -> float | None:
 
 def is_calibration(row: dict) -> bool:
     return (row["system"] == CALIBRATION_SYSTEM and row["ranks_per_host"] == 1
-            and not row.get("link_delay_ms"))
+            and not row.get("link_delay_ms")
+            and (row.get("cpu_busy") or 0.0) <= MAX_CALIBRATION_CPU)
 
 
 def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_s: float,
