@@ -244,7 +244,8 @@ def fit(rows: list, byte_scale: float, link_bytes_s: float) -> Constants:
                              calibration_only=True)
         if not checks:
             raise ValueError(f"no {CALIBRATION_SYSTEM} rows without added delay on 1 and 2+ "
-                             "hosts to calibrate with")
+                             f"hosts, at most {MAX_CALIBRATION_CPU:.0%} of the cores busy, to "
+                             "calibrate with")
         return max(abs(p - m) / m for _, p, m in checks)
 
     def best_of(efficiencies, hops) -> Constants:
@@ -326,7 +327,8 @@ def main() -> None:
     paths = [Path(p) for p in args.measured.split(",")]
     rows = [r for r in load_rows(*paths) if "failed" not in r]
     constants = fit(rows, link / real, link)
-    print(f"\nFitted on the {CALIBRATION_SYSTEM} rows without added delay of "
+    print(f"\nFitted on the {CALIBRATION_SYSTEM} rows without added delay, at most "
+          f"{MAX_CALIBRATION_CPU:.0%} of the cores busy, of "
           f"{', '.join(p.name for p in paths)}: transfers reach {constants.efficiency:.0%} of "
           f"{args.link_rate}, {constants.hop_ms:.2f} ms a message between hosts, "
           f"{constants.tensor_us:g} us a tensor\n")
