@@ -79,7 +79,7 @@ def test_a_python_exception_the_program_catches_leaves_the_job_to_end_normally(t
 
 
 STEP_ERROR_WORKER = str(ROOT / "tests" / "workers" / "fault_step_error.py")
-STEP_ERROR_CASES = ["every_rank", "sigterm_after_error", "one_rank"]
+STEP_ERROR_CASES = ["every_rank", "sigterm_after_error", "repeated_signal", "one_rank"]
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,9 @@ def test_a_step_error_on_every_rank_can_be_caught_and_retried_and_on_one_rank_fa
     """A bad batch on every rank: the program catches the error of train() and trains again to
     numpy's variables (before, every rank was failed while closing the session, and the retry
     got `rank R failed`); SIGTERM after that error reaches the handler in place before training
-    (before, the PreemptionHook's handler stayed, and swallowed it). A bad batch on rank 1 only
+    (before, the PreemptionHook's handler stayed, and swallowed it). A SIGTERM repeated after
+    one that stopped training, also while the session ends, leaves the rank alive with rank 0's
+    checkpoint of the stop step (before, the restored default ended it). A bad batch on rank 1 only
     still fails rank 0, waiting in that step, naming rank 1 and its error, within
     STEP_ERROR_AGREEMENT_SECS; rank 1's retry fails."""
     out = step_error_job

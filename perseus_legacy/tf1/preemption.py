@@ -31,11 +31,16 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
     the name of the signal that stopped it (None when training ended otherwise) and
     `stopped_at_step` the global step reached; a program may exit with a non-zero code then, so
     that `sbatch --requeue` or a restart policy runs it again. The signal handlers are installed
-    when the session starts (on the main thread only) and the previous ones restored when it
-    closes, also when a step's error ends training (TensorFlow then calls no hook's `end()`):
-    a signal after training reaches the handler that was there before (by default SIGTERM ends
-    the process). The handler only records the signal; `signal_received` is set by the first
-    one, and a second signal arriving while the first is handled touches no lock.
+    when the session starts (on the main thread only). When training ended otherwise, the
+    previous ones are restored when the session closes (after every hook's `end()`, the final
+    checkpoint's included), also when a step's error ends training (TensorFlow then calls no
+    hook's `end()`): a signal after training reaches the handler that was there before (by
+    default SIGTERM ends the process). When a signal stopped training, they stay: schedulers
+    repeat the signal (Slurm's time limit signals both the step and `srun`, which forwards it),
+    and the rank, already stopping, finishes its checkpoint and exits by itself; the
+    scheduler's kill after its grace period remains the bound. `restore_signal_handlers()` puts
+    the previous ones back then. The handler only records the signal; `signal_received` is set
+    by the first one, and a second signal arriving while the first is handled touches no lock.
     """
 
     def __init__(self, signals: Iterable[int] = PREEMPTION_SIGNALS) -> None:
@@ -53,7 +58,8 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
         self._anywhere = ops.allreduce(self._flag, op=basics.Max, name="preemption_signal")
         self._step = tf.compat.v1.train.get_global_step()
         if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._on_signal) for s in self._signals}
+            for signum in self._signals:  # still installed after a preemption: keep the first
+                self._previous.setdefault(signum, signal.signal(signum, self._on_signal))
         else:
             print("perseus_legacy: PreemptionHook: training runs outside the main thread, where "
                   "Python cannot catch signals; preemption signals end this rank as before",
@@ -73,11 +79,12 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
             try:
                 close()
             finally:
-                self._restore()
+                if self.preempted is None:
+                    self.restore_signal_handlers()
 
         session.close = close_and_restore
 
-    def _restore(self) -> None:
+    def restore_signal_handlers(self) -> None:
         """Puts back the handlers this hook replaced (once; on the main thread, which alone
         may set them)."""
         if threading.current_thread() is not threading.main_thread():
@@ -98,7 +105,6 @@ class PreemptionHook(tf.compat.v1.train.SessionRunHook):
             run_context.request_stop()
 
     def end(self, session) -> None:
-        self._restore()
         if self.preempted is None:
             return
         if self._step is not None:

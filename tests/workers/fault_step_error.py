@@ -12,6 +12,11 @@ data (2 ranks), runs these cases one after another in one job; each prints
   with numpy's variables on the same global batches.
 - sigterm_after_error: SIGTERM sent to this process after that error reaches the handler that
   was in place before training (the PreemptionHook's is gone although its end() never ran).
+- repeated_signal: SIGTERM on rank 1 after step SIGNAL_STEP stops both ranks after step
+  SIGNAL_STEP + 1, and SIGTERM again while the session ends (a hook's `end()` after the
+  PreemptionHook's) and after train() returns, as Slurm's time limit repeats it: the rank lives
+  on, rank 0's checkpoint of that step is there, and the hook's handler stays until the program
+  calls `restore_signal_handlers()`, which puts back the one in place before training.
 - one_rank: step BAD_STEP is bad on rank 1 only, which catches the error and trains again.
   Rank 0, waiting in that step, fails naming rank 1 and its error: `OK after S s: <error>`
   (S: seconds from its last completed step); rank 1's retry fails, and it says how. Both
@@ -35,6 +40,7 @@ from restart_estimator import EVERY, TOTAL_STEPS, input_fn, reference
 from worker_util import one_thread_estimator, wait_until
 
 BAD_STEP = 6
+SIGNAL_STEP = 4  # the preemption stops training after step 5, no checkpoint step of EVERY
 REPORT_WAIT_SECS = 60
 
 
@@ -116,6 +122,47 @@ def every_rank(out: str, rank: int) -> None:
         f"OK: trained again to step {TOTAL_STEPS}, numpy's variables")
 
 
+class SignalAt(tf.compat.v1.train.SessionRunHook):
+    """Sends SIGTERM to this process after global step `step` (on `ranks`) and in its `end()`."""
+
+    def __init__(self, step: int, ranks: tuple) -> None:
+        self._at, self._ranks = step, ranks
+
+    def begin(self) -> None:
+        self._step = tf.compat.v1.train.get_global_step()
+
+    def after_run(self, run_context, run_values) -> None:
+        if pl.rank() in self._ranks and run_context.session.run(self._step) == self._at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def end(self, session) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def repeated_signal(out: str, rank: int) -> None:
+    model_dir = os.path.join(out, "repeated_signal")
+    before = signal.getsignal(signal.SIGTERM)
+    preemption = pl.PreemptionHook()
+    estimator(model_dir, bad_ranks=()).train(
+        input_fn(rank), max_steps=TOTAL_STEPS,
+        hooks=[preemption, SignalAt(SIGNAL_STEP, ranks=(1,))])
+    os.kill(os.getpid(), signal.SIGTERM)  # reaches the hook's handler (or ends this rank)
+    stop = SIGNAL_STEP + 1
+    saved = tf.train.latest_checkpoint(model_dir)
+    problems = []
+    if (preemption.preempted, preemption.stopped_at_step) != ("SIGTERM", stop):
+        problems.append(f"stopped by {preemption.preempted} at {preemption.stopped_at_step}")
+    if rank == 0 and not (saved or "").endswith(f"-{stop}"):
+        problems.append(f"rank 0's last checkpoint is {saved}")
+    if signal.getsignal(signal.SIGTERM) == before:
+        problems.append("the handler in place before training is back")
+    preemption.restore_signal_handlers()
+    if signal.getsignal(signal.SIGTERM) != before:
+        problems.append(f"restore_signal_handlers() left {signal.getsignal(signal.SIGTERM)}")
+    say(rank, "repeated_signal", f"FAILED: {'; '.join(problems)}" if problems else
+        f"OK: alive after 3 SIGTERMs, stopped at step {stop}")
+
+
 def one_rank(out: str, rank: int) -> None:
     est = estimator(os.path.join(out, "one_rank"), bad_ranks=(1,))
     last = LastStep()
@@ -139,6 +186,7 @@ def main() -> None:
     pl.init()
     rank = pl.rank()
     every_rank(out, rank)
+    repeated_signal(out, rank)
     one_rank(out, rank)
     # Rank 0's failure ends the job: first let each rank say what it saw (bounded).
     open(os.path.join(out, f"done.{rank}"), "w").close()
