@@ -27,13 +27,16 @@ test: build compat-venvs tf215-ops slurm-packages
 	$(PY) -m pytest -q --timeout=900 --durations=30 -n 2 --dist loadfile tests
 
 # TensorFlow compatibility matrix (tests/estimator): TF 2.15.1 and TF 2.16.2, each in its own venv,
-# built side by side and reused while their requirements file is unchanged.
+# built side by side and reused while their requirements file is unchanged. Compiled to bytecode
+# at install, as every venv here: where PYTHONDONTWRITEBYTECODE is set, a venv without .pyc files
+# compiles every module it imports again in every process (12 s of CPU to import TensorFlow
+# instead of 3.5).
 COMPAT_VENVS := .venv-tf215 .venv-tf216
 compat-venvs:
 	@$(MAKE) --no-print-directory -j2 $(addsuffix /.installed,$(COMPAT_VENVS))
 .venv-tf%/.installed: tests/estimator/requirements-tf%.txt
 	test -x .venv-tf$*/bin/python || $(PYTHON) -m venv .venv-tf$*
-	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q --no-compile -r $<
+	.venv-tf$*/bin/python -m pip --disable-pip-version-check install -q -r $<
 	touch $@
 
 # tests/test_slurm.py runs a real Slurm on emulated hosts: slurmctld and slurmd, munge, and the
@@ -76,12 +79,12 @@ HOROVOD_VERSION := 0.28.1
 peers: $(PEERS_VENV)/.installed
 $(PEERS_VENV)/.installed: benchmarks/requirements-peers.txt benchmarks/requirements.txt
 	test -x $(PEERS_VENV)/bin/python || $(PYTHON) -m venv $(PEERS_VENV)
-	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check install -q --no-compile \
+	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check install -q \
 		-r benchmarks/requirements-peers.txt
 	PATH=$(abspath $(PEERS_VENV))/bin:$$PATH HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_MPI=1 \
 		HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 \
 		MAKEFLAGS= $(PEERS_VENV)/bin/python -m pip \
-		--disable-pip-version-check install -q --no-compile --no-build-isolation \
+		--disable-pip-version-check install -q --no-build-isolation \
 		--no-binary horovod --no-cache-dir horovod==$(HOROVOD_VERSION)
 	$(PEERS_VENV)/bin/horovodrun --check-build
 	touch $@
