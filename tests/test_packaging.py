@@ -50,12 +50,8 @@ def installed(tmp_path_factory) -> tuple:
         ".git", ".venv*", "build", "*.egg-info", "__pycache__", "*.so", ".pytest_cache",
         ".ruff_cache", "out"))
     elsewhere.mkdir()
-    # Two compilers at a time (`build_ext -j 2`, read by setuptools from DIST_EXTRA_CONFIG as
-    # from a setup.cfg): the same parts as a build one file at a time, sooner.
-    options = base / "build-options.cfg"
-    options.write_text("[build_ext]\nparallel = 2\n")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(MAKEFLAGS="", PIP_DISABLE_PIP_VERSION_CHECK="1", DIST_EXTRA_CONFIG=str(options))
+    env.update(MAKEFLAGS="", PIP_DISABLE_PIP_VERSION_CHECK="1")
     run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
          "--target", target, source], elsewhere, env, timeout=1200)
     env.update(QUIET_ENV, PYTHONPATH=str(target))

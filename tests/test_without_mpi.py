@@ -36,7 +36,7 @@ def lib(tmp_path_factory) -> Path:
     env.update(PERSEUS_WITHOUT_MPI="1", PERSEUS_SKIP_TF_OPS="1", MAKEFLAGS="")
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "setup.py", "-q", "build_ext", "-j", "2", "--build-lib", base / "lib",
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", base / "lib",
          "--build-temp", base / "tmp"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=600)
