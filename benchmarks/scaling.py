@@ -302,7 +302,10 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "trainers": result["trainers"], "link_rate": args.link_rate,
             "link_mtu": args.link_mtu or 1500, "link_delay_ms": args.link_delay or 0,
             "link_jitter_ms": args.link_jitter or 0, "link_loss_pct": args.link_loss or 0,
-            "byte_scale": args.byte_scale, "steps": args.steps,
+            "byte_scale": args.byte_scale, "step_scale": args.step_scale,
+            "dilation": args.dilate, "steps": args.steps,
+            "carried_allreduce_bytes": int(os.environ.get("PERSEUS_CARRIED_ALLREDUCE_BYTES",
+                                                          "1024")),
             "allreduce_algorithm": dict(SYSTEMS[name].env).get("PERSEUS_ALLREDUCE_ALGORITHM",
                                                               "auto"),
             "allreduce_algorithms": result.get("algorithms")}
@@ -497,6 +500,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--step-scale", type=float, default=1.0,
                         help="multiplies the profile's compute time (tests)")
+    parser.add_argument("--dilate", type=float, default=1.0, metavar="D",
+                        help="run the same cluster D times slower: compute time, link delay "
+                        "and jitter x D, link rate / D, the same bytes (docs/scaling.md)")
     parser.add_argument("--wait", choices=("op", "py_function"), default="op")
     parser.add_argument("--product-tf", choices=("2.15", "2.21"), default="2.15",
                         help="TensorFlow of this product's rows (2.15: the same as Horovod's "
@@ -514,7 +520,29 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--peers-python", default=str(PEERS_PYTHON))
     args = parser.parse_args()
     args.ps_layout = "colocated"  # what bench_common/emulated.py's launchers read
+    if args.dilate != 1.0:
+        dilate(args)
     return args
+
+
+def dilate(args: argparse.Namespace) -> None:
+    """--dilate D: every time of the cluster D times longer (compute, delay, jitter, the link's
+    time per byte), the bytes and the ratios between those times unchanged, the timeout too."""
+    from perseusrun import emulate
+
+    if args.dilate < 1.0:
+        sys.exit(f"scaling.py: --dilate {args.dilate:g}: must be 1 or more")
+    try:
+        link = emulate.rate_bytes_per_second(args.link_rate)
+        real = emulate.rate_bytes_per_second(args.real_link_rate)
+    except emulate.EmulationError as exc:
+        sys.exit(f"scaling.py: {exc}")
+    args.link_rate = f"{8 * link / args.dilate:.0f}bit"
+    args.real_link_rate = f"{8 * real / args.dilate:.0f}bit"
+    args.step_scale *= args.dilate
+    args.link_delay = args.link_delay * args.dilate if args.link_delay else args.link_delay
+    args.link_jitter = args.link_jitter * args.dilate if args.link_jitter else args.link_jitter
+    args.timeout *= args.dilate
 
 
 def main() -> None:

@@ -20,11 +20,14 @@ The step (bench_common/scaling_model.py's profile of the model):
   - G ranks a host: a reduce-scatter and an allgather among the host's ranks (2(G-1) steps of
     `LOCAL_HOP_MS`, 2(G-1)/G of the bytes at `LOCAL_BYTES_S`), and between them each local rank
     allreduces its 1/G slice across the hosts at once, the G of them sharing the host's link;
+- a round's tensors of at most PERSEUS_CARRIED_ALLREDUCE_BYTES, taken in order while their
+  bytes fit in it, travel with the negotiation (docs/design.md, carried allreduces) and cost
+  nothing more; a round with nothing else in it has no allreduce;
 - every message between hosts also waits the run's added link delay (`link_delay_ms`, one way);
 - the step ends when backward and the last collective have ended, then every rank agrees on
   whether a hook stopped or raised (perseus_legacy.tf1.stopping: one more round, an allreduce
-  of 24 bytes a rank), plus what the same system's one-host step measured beyond the
-  profile's compute (the waits' own cost, the optimizer).
+  of 24 bytes a rank, carried when it fits), plus what the same system's one-host step
+  measured beyond the profile's compute (the waits' own cost, the optimizer).
 
 Two constants are fitted, to the `run_config_tcp` rows with one rank a host, no added delay
 and at most half of the machine's cores busy (the transport whose CPU stays lowest, and only
@@ -75,6 +78,8 @@ HOROVOD_PUBLISHED = {"inception3": 0.90, "resnet101": 0.90, "vgg16": 0.68}  # 12
 # The runtime's defaults (docs/settings.md): PERSEUS_ALLREDUCE_HOP_LATENCY_US and _LINK_GBIT.
 DEFAULT_POLICY_HOP_US = 50.0
 DEFAULT_POLICY_GBIT = 1.0
+# PERSEUS_CARRIED_ALLREDUCE_BYTES's default; rows measured before it existed carried nothing.
+DEFAULT_CARRIED_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,7 @@ class Cluster:
     policy_gbit: float = DEFAULT_POLICY_GBIT
     wire_bytes: float = 1.0  # bytes on the wire per gradient byte: 0.5 with fp16 compression
     stop_agreement: bool = True  # the round after each step (runs before 28 November had none)
+    carried_bytes: int = DEFAULT_CARRIED_BYTES  # PERSEUS_CARRIED_ALLREDUCE_BYTES
 
 
 def _core():
@@ -125,14 +131,29 @@ def allreduce_ms(cluster: Cluster, constants: Constants, ranks: int, nbytes: flo
     return chosen, 1e3 * secs
 
 
+def carried_split(cluster: Cluster, sizes: list) -> float:
+    """The bytes of a round's tensors (`sizes`, in order) left to its allreduce once those
+    that fit the carried budget travel with its negotiation."""
+    budget, rest = cluster.carried_bytes, 0.0
+    for size in sizes:
+        if size <= budget:
+            budget -= size
+        else:
+            rest += size
+    return rest
+
+
 def round_ms(cluster: Cluster, constants: Constants, fused_bytes: float, tensors: int) -> float:
-    """One round: its negotiation and the allreduce of the tensors it fused."""
+    """One round: its negotiation and the allreduce of the tensors it fused (none: every
+    tensor of the round was carried)."""
     nbytes = fused_bytes * cluster.wire_bytes
     hosts, local = cluster.hosts, cluster.ranks_per_host
     hop = constants.hop_ms + cluster.delay_ms if hosts > 1 else LOCAL_HOP_MS
     negotiation = 2 * hop + (tensors * constants.tensor_us
                              + (hosts * local - 1) * constants.coordinator_us) / 1e3
     ms = 0.0
+    if nbytes <= 0:
+        return negotiation
     if local > 1:
         ms += 2 * (local - 1) * LOCAL_HOP_MS + 1e3 * 2 * (local - 1) / local * nbytes \
             / LOCAL_BYTES_S
@@ -154,7 +175,7 @@ def step_ms(profile: scaling_model.Profile, cluster: Cluster, constants: Constan
         group = index
         while group < len(ready) and ready[group][0] <= start:
             group += 1
-        fused = sum(size for _, size in ready[index:group])
+        fused = carried_split(cluster, [size for _, size in ready[index:group]])
         free = start + round_ms(cluster, constants, fused, group - index)
         index = group
     return profile.forward_ms + max(profile.backward_ms, free) + agreement_ms(cluster, constants) \
@@ -166,13 +187,19 @@ def agreement_ms(cluster: Cluster, constants: Constants) -> float:
     if not cluster.stop_agreement:
         return 0.0
     ranks = cluster.hosts * cluster.ranks_per_host
-    return round_ms(replace(cluster, wire_bytes=1.0), constants, AGREEMENT_BYTES_PER_RANK * ranks,
-                    1)
+    table = AGREEMENT_BYTES_PER_RANK * ranks
+    return round_ms(replace(cluster, wire_bytes=1.0), constants,
+                    carried_split(cluster, [table]), 1)
 
 
 @functools.cache
-def profile_of(model: str) -> scaling_model.Profile:
-    return scaling_model.load_profile(model)
+def profile_of(model: str, step_scale: float = 1.0) -> scaling_model.Profile:
+    return scaling_model.load_profile(model, step_scale=step_scale)
+
+
+def row_profile(row: dict) -> scaling_model.Profile:
+    """The profile a measured row ran (its compute scaled as the run scaled it: --dilate)."""
+    return profile_of(row["model"], row.get("step_scale", 1.0))
 
 
 def load_rows(*paths: Path) -> list:
@@ -186,12 +213,17 @@ def measured_step_ms(row: dict, profile) -> float:
 
 def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
     """The cluster a measured row ran on (its own link and settings where it records them)."""
+    from perseusrun import emulate
+
+    if row.get("link_rate"):
+        link_bytes_s = emulate.rate_bytes_per_second(row["link_rate"])
     return Cluster(row["hosts"], row["ranks_per_host"], link_bytes_s,
                    byte_scale=row.get("byte_scale", byte_scale),
                    delay_ms=row.get("link_delay_ms") or 0.0,
                    transport="tcp" if row["system"].endswith(("_tcp", "_ring")) else "mpi",
                    algorithm=row.get("allreduce_algorithm") or "auto",
-                   stop_agreement=row.get("stop_agreement", True))
+                   stop_agreement=row.get("stop_agreement", True),
+                   carried_bytes=row.get("carried_allreduce_bytes", 0))
 
 
 def one_host_extra(rows: list, row: dict, profile) -> float | None:
@@ -224,7 +256,7 @@ def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_
             continue
         if calibration_only and not is_calibration(row):
             continue
-        profile = profile_of(row["model"])
+        profile = row_profile(row)
         extra = one_host_extra(rows, row, profile)
         if extra is None:
             continue
@@ -292,7 +324,7 @@ def print_checks(rows: list, constants: Constants, byte_scale: float, link: floa
     checks.sort(key=lambda c: (c[0]["model"], c[0].get("link_delay_ms") or 0,
                                c[0]["hosts"] * c[0]["ranks_per_host"], key[id(c[0])]))
     for row, predicted, measured in checks:
-        profile = profile_of(row["model"])
+        profile = row_profile(row)
         one = measured_step_ms(row, profile) * row["efficiency"]  # the one-rank step
         busy = f"{row['cpu_busy']:.0%}" if row.get("cpu_busy") is not None else ""
         cluster = cluster_of(row, link, byte_scale)

@@ -17,6 +17,7 @@ from harness import CONTROLLERS, ROOT, launch_env, run_ranks
 
 FUSION_TENSORS = 20  # tests/workers/observe_counters.py
 CACHED_NAMES, CACHED_STEPS, CACHE_CAPACITY = 3, 10, 3
+CARRIED_SMALL, CARRIED_STEPS = 6, 4  # observe_counters.py: small allreduces, one big, a step
 TIMELINE_NAMES = ["tl.a", "tl.b", "tl.c", "tl.gather", "tl.bcast"]  # observe_timeline.py
 
 
@@ -74,6 +75,29 @@ def test_repeated_steps_hit_the_response_cache_and_eviction_and_mismatch_are_cou
         assert f"[rank {rank}] observe cache OK" in out, out
 
 
+@pytest.mark.parametrize("controller", CONTROLLERS)
+def test_small_cached_allreduces_travel_with_the_cache_round_and_match_numpy(controller):
+    # Three ranks: rank 0 reduces what the others sent, in rank order, and answers everyone.
+    out = run_ranks(3, "tests/workers/observe_counters.py", "carried", timeout=120,
+                    controller=controller).stdout
+    for rank in range(3):
+        d = deltas(out, rank, "carried")
+        assert d["carried_allreduces"] == CARRIED_SMALL * CARRIED_STEPS, d
+        assert d["collectives_executed.allreduce"] == CARRIED_STEPS, d  # the big one only
+        assert d["cache_hits"] == (CARRIED_SMALL + 1) * CARRIED_STEPS, d
+        assert f"[rank {rank}] observe carried OK" in out, out
+
+
+def test_no_carried_allreduces_when_their_budget_is_zero():
+    out = run_ranks(3, "tests/workers/observe_counters.py", "carried", timeout=120,
+                    env={"PERSEUS_CARRIED_ALLREDUCE_BYTES": "0"}).stdout
+    for rank in range(3):
+        d = deltas(out, rank, "carried")
+        assert d["carried_allreduces"] == 0, d
+        assert d["collectives_executed.allreduce"] == (CARRIED_SMALL + 1) * CARRIED_STEPS, d
+        assert f"[rank {rank}] observe carried OK" in out, out
+
+
 def load_events(path) -> list:
     with open(path) as f:
         events = json.load(f)
@@ -97,8 +121,10 @@ def phases_by_tensor(events: list) -> dict:
 @pytest.mark.parametrize("controller", CONTROLLERS)
 def test_timeline_files_of_every_rank_parse_and_merge_with_phases_in_order(tmp_path, controller):
     trace = tmp_path / "trace.json"
+    # Its small allreduces fused on the data plane, not carried by the cache rounds.
     run_ranks(2, "tests/workers/observe_timeline.py", "run", timeout=120,
-              env={"PERSEUS_TIMELINE": str(trace)}, controller=controller)
+              env={"PERSEUS_TIMELINE": str(trace), "PERSEUS_CARRIED_ALLREDUCE_BYTES": "0"},
+              controller=controller)
     files = [tmp_path / f"trace.rank{r}.json" for r in range(2)]
     for f in files:
         load_events(f)

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <list>
+#include <map>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -57,10 +58,22 @@ class ResponseCache {
 // cache, and what every rank's offers AND-ed together mean. The runtime moves the bits between
 // Offer and Settle (Controller::AllreduceBitsAnd); every rank then settles the same bits the
 // same way, so their caches stay identical.
+//
+// Carried allreduces (PERSEUS_CARRIED_ALLREDUCE_BYTES, `carried_bytes`): a cached allreduce over
+// every rank travels with the cache round itself instead of the data plane. Each rank's message
+// to the coordinator holds its bits, then the slot and the input of the allreduces it offers, in
+// slot order, as long as their inputs add up to at most `carried_bytes` (so rank 0 receives at
+// most size x carried_bytes of them a round). Rank 0 ANDs the bits and reduces, in rank order,
+// the inputs of each slot that is ready on every rank and whose input every rank sent; its
+// answer holds the AND and those slots with their results, which every rank copies out instead
+// of running the allreduce. A small allreduce then costs no message beyond the round's two (the
+// stop agreement after each step, a metric), where the data plane's takes 2 log2 N or more.
 class CacheRounds {
  public:
   explicit CacheRounds(size_t capacity) : cache_(capacity) {}
   bool enabled() const { return cache_.capacity() > 0; }
+  void set_carried_bytes(int64_t bytes) { carried_bytes_ = bytes; }
+  bool carries() const { return carried_bytes_ > 0; }
 
   // Starts a round with the requests announced since the last one (`fresh`) and those still
   // waiting on the cache, and returns this rank's bit vector. `coordinator_needed`: this rank
@@ -69,18 +82,34 @@ class CacheRounds {
   std::vector<uint64_t> Offer(const std::vector<std::string>& fresh, AnnouncedTable* announced,
                               bool coordinator_needed, bool joined);
 
+  // The round's message to the coordinator (carries()): `bits` (Offer's), then the slot and
+  // the input (prescaled) of the offered allreduces it carries.
+  std::string Encode(const std::vector<uint64_t>& bits, const AnnouncedTable& announced) const;
+  // Rank 0: every rank's message, in rank order, into the answer: the AND of their bits, then
+  // the slot and result of each allreduce carried by every rank and ready on every rank, in slot
+  // order. An error names the rank whose message does not fit.
+  Status Combine(const std::vector<std::string>& all, std::string* answer) const;
+  // Every rank: the coordinator's answer into the AND of the bits and the carried results.
+  Status Decode(const std::string& answer, std::vector<uint64_t>* bits,
+                std::map<size_t, std::string>* carried) const;
+
   struct Outcome {
     bool full = false;        // a round through the coordinator must follow
     bool progressed = false;  // something arrived or runs: negotiate again at once
     std::vector<Response> ready;  // to execute now, in order, fused as the coordinator would
+    // Carried allreduces ready on every rank, each with its reduced bytes (before any
+    // postscale or average): they complete without the data plane.
+    std::vector<std::pair<Response, std::string>> carried;
     int64_t hits = 0;         // tensors in `ready`
     int64_t misses = 0;       // this rank's requests sent on to the coordinator
     int64_t invalidated = 0;  // entries dropped on every rank (changed metadata, waited long)
   };
   // Ends the round with `bits`, the AND of every rank's offer. Requests that must go through the
   // coordinator are appended to `mine`.
+  // `carried`: Decode's results (empty without carries()).
   Outcome Settle(const std::vector<uint64_t>& bits, AnnouncedTable* announced,
-                 int64_t fusion_threshold_bytes, RequestList* mine);
+                 int64_t fusion_threshold_bytes, RequestList* mine,
+                 std::map<size_t, std::string> carried = {});
 
   // After every rank executed `response` with its own data (not from the cache): remember it,
   // name by name, for the next time. Returns how many entries were evicted to make room.
@@ -89,7 +118,12 @@ class CacheRounds {
   void ForgetWaiting() { waiting_.clear(); }
 
  private:
+  // Whether `slot` can travel with a round: a global allreduce of one tensor.
+  bool Carriable(size_t slot) const;
+  int64_t SlotBytes(size_t slot) const;
+
   ResponseCache cache_;
+  int64_t carried_bytes_ = 0;
   std::vector<std::string> waiting_;  // names of announced requests waiting on the cache, in
                                       // arrival order
   // The round between Offer and Settle.

@@ -27,13 +27,16 @@ void CompleteOnSingleRank(const CollectiveRequest& request);
 
 class ResponseExecutor {
  public:
+  // `carried`: an allreduce's result that its cache round carried (response_cache.h), copied
+  // out instead of a collective on the transport.
   ResponseExecutor(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
-                   RuntimeStats* stats, Timeline* timeline)
+                   RuntimeStats* stats, Timeline* timeline, const std::string* carried = nullptr)
       : controller_(*controller),
         hierarchical_(hierarchical),
         fusion_(*fusion),
         stats_(*stats),
-        timeline_(*timeline) {}
+        timeline_(*timeline),
+        carried_(carried) {}
 
   // Runs `response` with this rank's `entries` (one per name, in order; none when this rank has
   // joined and takes part without data). Returns the transport's status (a failure stops the
@@ -69,6 +72,7 @@ class ResponseExecutor {
   FusionBuffer& fusion_;
   RuntimeStats& stats_;
   Timeline& timeline_;
+  const std::string* carried_;
 };
 
 }  // namespace perseus

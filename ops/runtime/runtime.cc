@@ -196,8 +196,11 @@ class Runtime {
   bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
                   bool* full);
   bool CoordinatorRound(const RequestList& mine, bool* progressed);
-  // Runs one response of a round (ResponseExecutor) and completes this rank's requests in it.
-  bool Execute(const Response& response, bool from_cache);
+  // The cache round's bits and carried allreduces (response_cache.h) through the coordinator.
+  Status CarryRound(std::vector<uint64_t>* bits, std::map<size_t, std::string>* carried);
+  // Runs one response of a round (ResponseExecutor) and completes this rank's requests in it;
+  // `carried`: the result the round carried (an allreduce that then needs no data plane).
+  bool Execute(const Response& response, bool from_cache, const std::string* carried = nullptr);
   // Applies a kTune answer (autotune.h) on this rank; false when it is malformed.
   bool ApplyTuning(const Response& response);
   // The values PERSEUS_AUTOTUNE sets, as in force, in the counters of runtime_stats().
@@ -379,6 +382,7 @@ Status Runtime::Init(const std::string& name, const TransportOptions& options) {
   ShowTuned();
   announced_.clear();
   cache_ = CacheRounds(settings_.cache_capacity);
+  cache_.set_carried_bytes(settings_.carried_allreduce_bytes);
   joined_ = false;
   timeline_.SetIdentity(rank_, transport->label);
   if (rank_ == 0 && settings_.hierarchical == Hierarchical::kAlways &&
@@ -822,20 +826,36 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
       })) {
     bits.push_back(~uint64_t{0});
   }
-  if (CommunicationFailed(controller_->AllreduceBitsAnd(&bits), " while negotiating")) {
-    return false;
-  }
-  CacheRounds::Outcome outcome =
-      cache_.Settle(bits, &announced_, settings_.fusion_threshold_bytes, mine);
+  std::map<size_t, std::string> carried;
+  const Status s =
+      cache_.carries() ? CarryRound(&bits, &carried) : controller_->AllreduceBitsAnd(&bits);
+  if (CommunicationFailed(s, " while negotiating")) return false;
+  CacheRounds::Outcome outcome = cache_.Settle(bits, &announced_, settings_.fusion_threshold_bytes,
+                                               mine, std::move(carried));
   *full = outcome.full;
   *progressed = outcome.progressed;
   RuntimeStats::Add(stats_.cache_hits, outcome.hits);
   RuntimeStats::Add(stats_.cache_misses, outcome.misses);
   RuntimeStats::Add(stats_.cache_invalidations, outcome.invalidated);
+  RuntimeStats::Add(stats_.carried_allreduces, static_cast<int64_t>(outcome.carried.size()));
+  for (const auto& [response, result] : outcome.carried) {
+    if (!Execute(response, /*from_cache=*/true, &result)) return false;
+  }
   for (const Response& response : outcome.ready) {
     if (!Execute(response, /*from_cache=*/true)) return false;
   }
   return true;
+}
+
+Status Runtime::CarryRound(std::vector<uint64_t>* bits, std::map<size_t, std::string>* carried) {
+  std::vector<std::string> all;
+  Status s = controller_->GatherToCoordinator(cache_.Encode(*bits, announced_), &all);
+  std::string answer;
+  // A failure of rank 0's own reaches the others through CommunicationFailed's abort notice.
+  if (s.ok() && rank_ == 0) s = cache_.Combine(all, &answer);
+  if (s.ok()) s = controller_->BroadcastFromCoordinator(&answer);
+  if (s.ok()) s = cache_.Decode(answer, bits, carried);
+  return s;
 }
 
 bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
@@ -914,7 +934,7 @@ bool Runtime::CoordinatorRound(const RequestList& mine, bool* progressed) {
   return true;
 }
 
-bool Runtime::Execute(const Response& response, bool from_cache) {
+bool Runtime::Execute(const Response& response, bool from_cache, const std::string* carried) {
   Controller* controller = controller_.get();
   if (response.process_set_id != 0) {
     auto set = set_controllers_.find(response.process_set_id);
@@ -947,7 +967,7 @@ bool Runtime::Execute(const Response& response, bool from_cache) {
   }
   Status op;
   const Status comm =
-      ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_)
+      ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_, carried)
           .Run(response, entries, &op);
   if (CommunicationFailed(comm, "")) return false;
   if (!from_cache && response.joined_ranks.empty() && response.process_set_id == 0) {

@@ -136,6 +136,9 @@ Status ReadSettings(Settings* settings) {
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_WARNING_SECS", &settings->stall_warning_secs);
   if (s.ok()) s = ReadNumber("PERSEUS_STALL_SHUTDOWN_SECS", &settings->stall_shutdown_secs);
   if (s.ok()) s = ReadCount("PERSEUS_CACHE_CAPACITY", &settings->cache_capacity);
+  if (s.ok()) {
+    s = ReadCount("PERSEUS_CARRIED_ALLREDUCE_BYTES", &settings->carried_allreduce_bytes);
+  }
   if (s.ok()) s = ReadHierarchical("PERSEUS_HIERARCHICAL_ALLREDUCE", &settings->hierarchical);
   if (s.ok()) s = ReadAllreduce(&settings->allreduce, &settings->measure_hop_latency);
   if (s.ok()) s = ReadFlag("PERSEUS_AUTOTUNE", &settings->autotune);

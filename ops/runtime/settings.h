@@ -48,6 +48,9 @@ struct Settings {
   // one's own) and does not let a dead host hold a whole cluster for hours.
   double stall_shutdown_secs = 300.0;
   size_t cache_capacity = 1024;                         // PERSEUS_CACHE_CAPACITY; 0: no cache
+  // PERSEUS_CARRIED_ALLREDUCE_BYTES: the input bytes of cached allreduces a rank sends with each
+  // cache round, which then need no data plane (response_cache.h); 0: none.
+  int64_t carried_allreduce_bytes = 1024;
   std::string timeline_path;                            // PERSEUS_TIMELINE; "": none
   Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
   // PERSEUS_ALLREDUCE_ALGORITHM (auto, ring, halving_doubling, recursive_doubling) and the cost

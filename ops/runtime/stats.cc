@@ -20,6 +20,7 @@ std::vector<std::pair<std::string, int64_t>> RuntimeStats::Snapshot() const {
   out.emplace_back("cache_invalidations", get(cache_invalidations));
   out.emplace_back("coordinator_rounds", get(coordinator_rounds));
   out.emplace_back("cache_rounds", get(cache_rounds));
+  out.emplace_back("carried_allreduces", get(carried_allreduces));
   out.emplace_back("stall_warnings", get(stall_warnings));
   out.emplace_back("hierarchical_allreduces", get(hierarchical_allreduces));
   out.emplace_back("pipelined_hierarchical_allreduces", get(pipelined_hierarchical_allreduces));

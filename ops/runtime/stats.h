@@ -28,6 +28,8 @@ class RuntimeStats {
     Add(collectives_executed_[Index(type)], 1);
     return collective_ids_.fetch_add(1, std::memory_order_relaxed);
   }
+  // An allreduce its cache round carried: an id for the timeline, not a collective executed.
+  int64_t Carried() { return collective_ids_.fetch_add(1, std::memory_order_relaxed); }
   void Fused(int64_t tensors) {
     Add(fused_groups_, 1);
     Add(tensors_fused_, tensors);
@@ -39,6 +41,8 @@ class RuntimeStats {
   std::atomic<int64_t> cache_invalidations{0};  // entries dropped: metadata changed, waited long
   std::atomic<int64_t> coordinator_rounds{0};
   std::atomic<int64_t> cache_rounds{0};
+  // allreduces that travelled with a cache round, with no collective on the data plane
+  std::atomic<int64_t> carried_allreduces{0};
   std::atomic<int64_t> stall_warnings{0};       // warnings rank 0 logged about stalled tensors
   // allreduce collectives that ran hierarchically (response_executor.h); the others ran flat
   std::atomic<int64_t> hierarchical_allreduces{0};

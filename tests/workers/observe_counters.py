@@ -3,7 +3,9 @@
 `fusion`: 20 small allreduces submitted together; prints how many collectives ran for them.
 `cache` (run with PERSEUS_CACHE_CAPACITY=3): a warm-up step, then repeated identical steps;
 then two new names (evictions); then a cached name whose shape changes on the last rank after
-warm-up (the coordinator's error). Each phase prints `[rank r] <phase> {counter deltas}`; the
+warm-up (the coordinator's error).
+`carried`: repeated small allreduces of every op, dtype and scaling, which travel with the cache
+rounds (PERSEUS_CARRIED_ALLREDUCE_BYTES), and one above the budget, which does not. Each phase prints `[rank r] <phase> {counter deltas}`; the
 test compares them with its own expectations. Results are checked against numpy here.
 """
 
@@ -18,10 +20,19 @@ from worker_util import assert_close, fail, rank_data
 import perseus_legacy as hvd
 from perseus_legacy import _core
 
-SUM = 1
+AVERAGE, SUM, MIN, MAX, PRODUCT = range(5)
 FUSION_TENSORS = 20
 CACHED_NAMES = 3
 CACHED_STEPS = 10
+CARRIED_STEPS = 4
+# name, dtype, shape, op, prescale, postscale: each under the default budget of 1024 bytes
+CARRIED = [("c.sum", np.float64, (4,), SUM, 0.5, 3.0),
+           ("c.avg", np.float32, (8,), AVERAGE, 1.0, 1.0),
+           ("c.iavg", np.int64, (5,), AVERAGE, 1.0, 1.0),
+           ("c.min", np.int32, (3,), MIN, 1.0, 1.0),
+           ("c.max", np.float64, (2, 3), MAX, 1.0, 1.0),
+           ("c.prod", np.int64, (4,), PRODUCT, 1.0, 1.0)]
+BIG = ("c.big", np.float64, (160,), SUM, 1.0, 1.0)  # 1280 bytes: above the budget
 
 
 def flat(stats: dict) -> dict:
@@ -86,10 +97,41 @@ def cache(rank: int, size: int) -> None:
     step(rank, size, ["after.mm"], seed=60)  # the runtime still works
 
 
+def expected_allreduce(size: int, dtype, shape, op: int, pre: float, post: float,
+                       seed: int) -> np.ndarray:
+    inputs = [rank_data(r, shape, dtype, seed) for r in range(size)]
+    if op == MIN:
+        return np.min(inputs, 0)
+    if op == MAX:
+        return np.max(inputs, 0)
+    if op == PRODUCT:
+        return np.prod(inputs, 0).astype(dtype)
+    if np.dtype(dtype).kind in "iu":  # an integer average divides exactly, after the sum
+        total = np.sum(inputs, 0)
+        return (total // size if op == AVERAGE else total).astype(dtype)
+    total = np.sum([x.astype(np.float64) * pre for x in inputs], 0)
+    return (total * post / (size if op == AVERAGE else 1)).astype(dtype)
+
+
+def carried(rank: int, size: int) -> None:
+    def one_step(seed: int) -> None:
+        for i, (name, dtype, shape, op, pre, post) in enumerate(CARRIED + [BIG]):
+            got = _core.allreduce(rank_data(rank, shape, dtype, seed + i), name, op=op,
+                                  prescale_factor=pre, postscale_factor=post)
+            assert_close(rank, name, got,
+                         expected_allreduce(size, dtype, shape, op, pre, post, seed + i),
+                         rtol=1e-6 if np.dtype(dtype) == np.float32 else 1e-12)
+
+    one_step(seed=100)  # negotiated through the coordinator, then cached
+    with Phase(rank, "carried"):
+        for s in range(CARRIED_STEPS):
+            one_step(seed=200 + 10 * s)
+
+
 def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    {"fusion": fusion, "cache": cache}[sys.argv[1]](rank, size)
+    {"fusion": fusion, "cache": cache, "carried": carried}[sys.argv[1]](rank, size)
     print(f"[rank {rank}] observe {sys.argv[1]} OK", flush=True)
     hvd.shutdown()
 
