@@ -306,6 +306,7 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "dilation": args.dilate, "steps": args.steps,
             "carried_allreduce_bytes": int(os.environ.get("PERSEUS_CARRIED_ALLREDUCE_BYTES",
                                                           "1024")),
+            "allreduce_hop_latency_us": os.environ.get("PERSEUS_ALLREDUCE_HOP_LATENCY_US", "50"),
             "allreduce_algorithm": dict(SYSTEMS[name].env).get("PERSEUS_ALLREDUCE_ALGORITHM",
                                                               "auto"),
             "allreduce_algorithms": result.get("algorithms")}

@@ -15,7 +15,8 @@ The step (bench_common/scaling_model.py's profile of the model):
   fused tensor), then allreduces the fused bytes:
   - one rank a host: across the H hosts with the algorithm the runtime picks (its own cost
     model, `_core.allreduce_cost`, with the run's PERSEUS_ALLREDUCE_* settings; below 1 MiB
-    the MPI transport runs Open MPI's allreduce, counted as recursive doubling), costed by the
+    the MPI transport runs Open MPI's allreduce, counted as recursive doubling, unless that step
+    latency is 1 ms or more), costed by the
     same alpha-beta formula with the fitted hop as alpha and the fitted share of the link rate;
   - G ranks a host: a reduce-scatter and an allgather among the host's ranks (2(G-1) steps of
     `LOCAL_HOP_MS`, 2(G-1)/G of the bytes at `LOCAL_BYTES_S`), and between them each local rank
@@ -70,6 +71,8 @@ LOCAL_BYTES_S = 2.7e9
 # allreduce's slice across hosts.
 MPI_RING_MIN_BYTES = 1 << 20
 MPI_CROSS_RING_MIN_BYTES = 64 << 10
+# ... unless the cost model's step latency is this or more (mpi_controller.h, kWideHopSecs).
+MPI_WIDE_HOP_US = 1000.0
 PROJECTED_HOSTS = (16, 32, 64, 128, 256, 512)
 REAL_LINK = "25gbit"
 # The stop agreement after each step (perseus_legacy.tf1.gate): a [ranks, 3] int64 table.
@@ -120,7 +123,8 @@ def allreduce_ms(cluster: Cluster, constants: Constants, ranks: int, nbytes: flo
     shared `1 / link_share` ways."""
     core = _core()
     ring_min = MPI_CROSS_RING_MIN_BYTES if cluster.ranks_per_host > 1 else MPI_RING_MIN_BYTES
-    if cluster.transport == "mpi" and cluster.algorithm == "auto" and nbytes < ring_min:
+    if cluster.transport == "mpi" and cluster.algorithm == "auto" and nbytes < ring_min \
+            and cluster.policy_hop_us < MPI_WIDE_HOP_US:
         chosen = "recursive_doubling"  # Open MPI's own allreduce for small messages
     else:
         chosen, _ = core.allreduce_cost(ranks, nbytes, cluster.policy_hop_us,
@@ -211,6 +215,15 @@ def measured_step_ms(row: dict, profile) -> float:
     return 1e3 * row["hosts"] * row["ranks_per_host"] * profile.batch / row["examples_per_s"]
 
 
+def policy_hop_us(row: dict) -> float:
+    """The cost model's step latency the row ran with: its PERSEUS_ALLREDUCE_HOP_LATENCY_US, or,
+    measured (`auto`), the added delay over the default."""
+    setting = row.get("allreduce_hop_latency_us") or DEFAULT_POLICY_HOP_US
+    if setting == "auto":
+        return DEFAULT_POLICY_HOP_US + 1e3 * (row.get("link_delay_ms") or 0.0)
+    return float(setting)
+
+
 def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
     """The cluster a measured row ran on (its own link and settings where it records them)."""
     from perseusrun import emulate
@@ -223,7 +236,8 @@ def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
                    transport="tcp" if row["system"].endswith(("_tcp", "_ring")) else "mpi",
                    algorithm=row.get("allreduce_algorithm") or "auto",
                    stop_agreement=row.get("stop_agreement", True),
-                   carried_bytes=row.get("carried_allreduce_bytes", 0))
+                   carried_bytes=row.get("carried_allreduce_bytes", 0),
+                   policy_hop_us=policy_hop_us(row))
 
 
 def one_host_extra(rows: list, row: dict, profile) -> float | None:

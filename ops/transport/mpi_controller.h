@@ -75,8 +75,9 @@ class MpiController : public Controller {
     }
   }
   // Under PERSEUS_ALLREDUCE_ALGORITHM=auto: Open MPI's own allreduce (kTransport) below
-  // ring_min_bytes_, the cost model's choice from it; a named algorithm runs at every size
-  // (the ring from one element per rank).
+  // ring_min_bytes_, the cost model's choice from it, and at every size when the model's step
+  // latency is kWideHopSecs or more; a named algorithm runs at every size (the ring from one
+  // element per rank).
   AllreduceAlgorithm AllreduceAlgorithmFor(int64_t count, DataType dtype) const override;
   Controller* local() override { return local_data_.get(); }
   Controller* cross() override { return cross_data_.get(); }
@@ -98,6 +99,10 @@ class MpiController : public Controller {
   // Across hosts, a hierarchical allreduce's segment (a fraction of the tensor) takes the ring
   // from this size already: below kRingMinBytes, Open MPI picks a tree that halves the rate.
   static constexpr int64_t kCrossRingMinBytes = int64_t{64} << 10;
+  // From this step latency in the cost model, every size takes the model's choice: Open MPI's
+  // allreduce of a few hundred KiB on 8 ranks with 4 ms a message took 5 times as long as
+  // halving-doubling (docs/scaling.md), while with no added latency it was the faster one.
+  static constexpr double kWideHopSecs = 1e-3;
   bool UseRing(int64_t count, DataType dtype) const;
   // Which steps of the ring run: all of them (an allreduce), or one of its halves.
   enum class RingPart { kAllreduce, kReduceScatter, kAllgather };

@@ -50,9 +50,18 @@ AllreduceAlgorithm MpiController::AllreduceAlgorithmFor(int64_t count, DataType 
   if (size_ == 1 || count == 0) return AllreduceAlgorithm::kTransport;
   const size_t bytes = static_cast<size_t>(count) * DataTypeSize(dtype);
   switch (policy_.algorithm) {
-    case AllreduceAlgorithm::kAuto:
-      return UseRing(count, dtype) ? ChooseAllreduce(size_, bytes, policy_)
-                                   : AllreduceAlgorithm::kTransport;
+    case AllreduceAlgorithm::kAuto: {
+      // Open MPI's own below ring_min_bytes_, unless a step costs what a wide network's does
+      // (the cost model's step latency, PERSEUS_ALLREDUCE_HOP_LATENCY_US, e.g. measured by
+      // `auto`): its algorithms for those sizes take more steps than the model's choice.
+      if (!UseRing(count, dtype) && policy_.hop_latency_secs < kWideHopSecs) {
+        return AllreduceAlgorithm::kTransport;
+      }
+      const AllreduceAlgorithm chosen = ChooseAllreduce(size_, bytes, policy_);
+      return chosen == AllreduceAlgorithm::kRing && count < size_
+                 ? AllreduceAlgorithm::kRecursiveDoubling
+                 : chosen;
+    }
     case AllreduceAlgorithm::kRing:  // a segment per rank, at least one element each
       return count >= size_ ? AllreduceAlgorithm::kRing : AllreduceAlgorithm::kTransport;
     default:
