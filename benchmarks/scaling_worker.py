@@ -110,10 +110,12 @@ def _runtime_counters() -> dict:
     if hvd is None or not hvd.is_initialized():
         return {}
     stats = hvd.runtime_stats()
+    carried = stats.get("carried_allreduces", 0)  # travelled with a round: no data plane
     return {"rounds": stats["cache_rounds"] + stats["coordinator_rounds"],
-            "collectives": stats["collectives_executed"]["allreduce"],
+            "collectives": stats["collectives_executed"]["allreduce"] + carried,
             **{f"allreduce_{name}": count
-               for name, count in stats.get("allreduce_algorithms", {}).items()}}
+               for name, count in stats.get("allreduce_algorithms", {}).items()},
+            "allreduce_carried": carried}
 
 
 def write_stats(args: argparse.Namespace, who: str, reporter: bool, **stats) -> None:

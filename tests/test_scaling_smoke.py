@@ -63,9 +63,14 @@ def test_projection_adds_the_link_delay_to_each_step_of_the_algorithm_the_runtim
     # A round adds two messages' delay for its negotiation on top.
     assert scaling_projection.round_ms(delayed, constants, 64 << 10, 3) == pytest.approx(
         scaling_projection.round_ms(plain, constants, 64 << 10, 3) + 2 * 2.0 + 6 * 2.0)
-    # The stop agreement after each step: a round of one small table, recursive doubling.
+    # The stop agreement after each step: a round of one small table, carried by its
+    # negotiation; without carried allreduces, recursive doubling after it.
     assert scaling_projection.agreement_ms(delayed, constants) == pytest.approx(
-        scaling_projection.agreement_ms(plain, constants) + 2 * 2.0 + 3 * 2.0)
+        scaling_projection.agreement_ms(plain, constants) + 2 * 2.0)
+    uncarried = dataclasses.replace(plain, carried_bytes=0)
+    assert scaling_projection.agreement_ms(
+        dataclasses.replace(uncarried, delay_ms=2.0), constants) == pytest.approx(
+        scaling_projection.agreement_ms(uncarried, constants) + 2 * 2.0 + 3 * 2.0)
 
 
 def test_bounds_have_no_link_time_on_one_host_and_some_on_two():

@@ -216,7 +216,9 @@ def runtime_stats() -> dict:
     Totals: "fused_groups" and "tensors_fused" (tensors per fused group is their ratio),
     "cache_hits" / "cache_misses" (tensors negotiated through the response cache / sent on to
     the coordinator), "cache_evictions", "cache_invalidations", "coordinator_rounds",
-    "cache_rounds", "stall_warnings" (rank 0's), "timeline_events_dropped",
+    "cache_rounds", "carried_allreduces" (small cached allreduces that travelled with a cache
+    round instead of running on the data plane: docs/design.md), "stall_warnings" (rank 0's),
+    "timeline_events_dropped",
     "hierarchical_allreduces" (allreduce collectives that ran hierarchically: docs/settings.md),
     "pipelined_hierarchical_allreduces" (those of them whose phases overlapped on slices of a
     large tensor: docs/design.md),

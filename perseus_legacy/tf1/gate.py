@@ -16,7 +16,7 @@ a broadcast `<prefix>.payload` when there are payload bytes). `sync()` gives eve
 value; `agree()` gives every rank every rank's value (and the payload of the lowest rank with the
 highest value), in the same one collective: the stop agreement after each training step is such
 a sync point, so a step costs one small allreduce, of the same name every step (the runtime's
-response cache knows it).
+response cache knows it, and carries a table this small with its negotiation round).
 A rank that joined (perseus_legacy.join()) takes part with zeros: a row of zeros reads DONE.
 
 The wait is bounded: a rank that has heard "still busy" for PERSEUS_CHIEF_WAIT_SECS (default
