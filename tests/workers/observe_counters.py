@@ -5,7 +5,8 @@
 then two new names (evictions); then a cached name whose shape changes on the last rank after
 warm-up (the coordinator's error).
 `carried`: repeated small allreduces of every op, dtype and scaling, which travel with the cache
-rounds (PERSEUS_CARRIED_ALLREDUCE_BYTES), and one above the budget, which does not. Each phase prints `[rank r] <phase> {counter deltas}`; the
+rounds (PERSEUS_CARRIED_ALLREDUCE_BYTES), and one above the budget, which does not.
+Each phase prints `[rank r] <phase> {counter deltas}`; the
 test compares them with its own expectations. Results are checked against numpy here.
 """
 
