@@ -251,10 +251,11 @@ def one_host_extra(rows: list, row: dict, profile) -> float | None:
     return None
 
 
-def is_calibration(row: dict) -> bool:
+def is_calibration(row: dict, max_hosts: int | None = None) -> bool:
     return (row["system"] == CALIBRATION_SYSTEM and row["ranks_per_host"] == 1
             and not row.get("link_delay_ms")
-            and (row.get("cpu_busy") or 0.0) <= MAX_CALIBRATION_CPU)
+            and (row.get("cpu_busy") or 0.0) <= MAX_CALIBRATION_CPU
+            and (max_hosts is None or row["hosts"] <= max_hosts))
 
 
 def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_s: float,
@@ -279,11 +280,12 @@ def predictions(rows: list, constants: Constants, byte_scale: float, link_bytes_
     return out
 
 
-def fit(rows: list, byte_scale: float, link_bytes_s: float) -> Constants:
+def fit(rows: list, byte_scale: float, link_bytes_s: float,
+        max_hosts: int | None = None) -> Constants:
     """The constants whose largest relative error over the calibration rows is least: a coarse
     grid (link share 0.70-1.00 by 0.05, hop 0-2 ms by 0.05 ms), then a fine one (0.01) around
     the best point of the coarse one."""
-    calibration = [r for r in rows if is_calibration(r) or r["hosts"] == 1]
+    calibration = [r for r in rows if is_calibration(r, max_hosts) or r["hosts"] == 1]
 
     def worst_error(constants: Constants) -> float:
         checks = predictions(calibration, constants, byte_scale, link_bytes_s,
@@ -328,7 +330,8 @@ def project(constants: Constants, models: list, real_link_bytes_s: float,
     return out
 
 
-def print_checks(rows: list, constants: Constants, byte_scale: float, link: float) -> None:
+def print_checks(rows: list, constants: Constants, byte_scale: float, link: float,
+                 max_hosts: int | None = None) -> None:
     print("| model | system | hosts x ranks | delay (ms) | algorithm for a step's bytes | "
           "measured ms/step | model "
           "ms/step | error | measured efficiency | model efficiency | cores busy |")
@@ -345,7 +348,7 @@ def print_checks(rows: list, constants: Constants, byte_scale: float, link: floa
         fused = 4 * sum(profile.tensor_elements(cluster.byte_scale))
         chosen = allreduce_ms(cluster, constants, row["hosts"],
                               fused / row["ranks_per_host"])[0] if row["hosts"] > 1 else "local"
-        marker = " (fit)" if is_calibration(row) else ""
+        marker = " (fit)" if is_calibration(row, max_hosts) else ""
         print(f"| {row['model']} | {row['system']}{marker} | {row['hosts']}x"
               f"{row['ranks_per_host']} | {row.get('link_delay_ms') or 0:g} | {chosen} | "
               f"{measured:.0f} | {predicted:.0f} | {(predicted - measured) / measured:+.1%} | "
@@ -366,19 +369,22 @@ def main() -> None:
     parser.add_argument("--coordinator-us", type=float, default=0.0,
                         help="rank 0's cost per other rank in each negotiation round (the "
                         "gather and the answer go through it), for the projection only")
+    parser.add_argument("--fit-max-hosts", type=int,
+                        help="fit on the calibration rows of at most this many hosts only (the "
+                        "others are checked)")
     parser.add_argument("--json", help="write the projection's rows here, one JSON object each")
     args = parser.parse_args()
     link = emulate.rate_bytes_per_second(args.link_rate)
     real = emulate.rate_bytes_per_second(args.real_link_rate)
     paths = [Path(p) for p in args.measured.split(",")]
     rows = [r for r in load_rows(*paths) if "failed" not in r]
-    constants = fit(rows, link / real, link)
+    constants = fit(rows, link / real, link, args.fit_max_hosts)
     print(f"\nFitted on the {CALIBRATION_SYSTEM} rows without added delay, at most "
           f"{MAX_CALIBRATION_CPU:.0%} of the cores busy, of "
           f"{', '.join(p.name for p in paths)}: transfers reach {constants.efficiency:.0%} of "
           f"{args.link_rate}, {constants.hop_ms:.2f} ms a message between hosts, "
           f"{constants.tensor_us:g} us a tensor\n")
-    print_checks(rows, constants, link / real, link)
+    print_checks(rows, constants, link / real, link, args.fit_max_hosts)
     constants = replace(constants, coordinator_us=args.coordinator_us)
     models = list(scaling_model.MODELS)
     projected = []
