@@ -56,7 +56,7 @@ class ResponseCache {
 
 // This rank's side of the cache rounds: which of its announced requests it offers through the
 // cache, and what every rank's offers AND-ed together mean. The runtime moves the bits between
-// Offer and Settle (Controller::AllreduceBitsAnd); every rank then settles the same bits the
+// Offer and Settle (Encode, Combine on rank 0, Decode); every rank then settles the same bits the
 // same way, so their caches stay identical.
 //
 // Carried allreduces (PERSEUS_CARRIED_ALLREDUCE_BYTES, `carried_bytes`): a cached allreduce over
@@ -73,7 +73,6 @@ class CacheRounds {
   explicit CacheRounds(size_t capacity) : cache_(capacity) {}
   bool enabled() const { return cache_.capacity() > 0; }
   void set_carried_bytes(int64_t bytes) { carried_bytes_ = bytes; }
-  bool carries() const { return carried_bytes_ > 0; }
 
   // Starts a round with the requests announced since the last one (`fresh`) and those still
   // waiting on the cache, and returns this rank's bit vector. `coordinator_needed`: this rank
@@ -82,8 +81,8 @@ class CacheRounds {
   std::vector<uint64_t> Offer(const std::vector<std::string>& fresh, AnnouncedTable* announced,
                               bool coordinator_needed, bool joined);
 
-  // The round's message to the coordinator (carries()): `bits` (Offer's), then the slot and
-  // the input (prescaled) of the offered allreduces it carries.
+  // The round's message to the coordinator: `bits` (Offer's), then the slot and the input
+  // (prescaled) of the offered allreduces it carries (none when carried_bytes is 0).
   std::string Encode(const std::vector<uint64_t>& bits, const AnnouncedTable& announced) const;
   // Rank 0: every rank's message, in rank order, into the answer: the AND of their bits, then
   // the slot and result of each allreduce carried by every rank and ready on every rank, in slot
@@ -106,7 +105,7 @@ class CacheRounds {
   };
   // Ends the round with `bits`, the AND of every rank's offer. Requests that must go through the
   // coordinator are appended to `mine`.
-  // `carried`: Decode's results (empty without carries()).
+  // `carried`: Decode's results.
   Outcome Settle(const std::vector<uint64_t>& bits, AnnouncedTable* announced,
                  int64_t fusion_threshold_bytes, RequestList* mine,
                  std::map<size_t, std::string> carried = {});

@@ -196,7 +196,8 @@ class Runtime {
   bool CacheRound(const std::vector<std::string>& fresh, RequestList* mine, bool* progressed,
                   bool* full);
   bool CoordinatorRound(const RequestList& mine, bool* progressed);
-  // The cache round's bits and carried allreduces (response_cache.h) through the coordinator.
+  // The cache round's bits, AND-ed over ranks, and its carried allreduces (response_cache.h),
+  // through the coordinator.
   Status CarryRound(std::vector<uint64_t>* bits, std::map<size_t, std::string>* carried);
   // Runs one response of a round (ResponseExecutor) and completes this rank's requests in it;
   // `carried`: the result the round carried (an allreduce that then needs no data plane).
@@ -827,9 +828,7 @@ bool Runtime::CacheRound(const std::vector<std::string>& fresh, RequestList* min
     bits.push_back(~uint64_t{0});
   }
   std::map<size_t, std::string> carried;
-  const Status s =
-      cache_.carries() ? CarryRound(&bits, &carried) : controller_->AllreduceBitsAnd(&bits);
-  if (CommunicationFailed(s, " while negotiating")) return false;
+  if (CommunicationFailed(CarryRound(&bits, &carried), " while negotiating")) return false;
   CacheRounds::Outcome outcome = cache_.Settle(bits, &announced_, settings_.fusion_threshold_bytes,
                                                mine, std::move(carried));
   *full = outcome.full;

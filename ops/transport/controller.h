@@ -55,10 +55,6 @@ class Controller {
   virtual Status GatherToCoordinator(const std::string& mine, std::vector<std::string>* all) = 0;
   // The coordinator's `bytes` replace every other rank's.
   virtual Status BroadcastFromCoordinator(std::string* bytes) = 0;
-  // Every rank's `bits` (the same length everywhere) AND-ed together, in place. The default goes
-  // through the coordinator with the two calls above; a transport may override it with one
-  // collective.
-  virtual Status AllreduceBitsAnd(std::vector<uint64_t>* bits);
 
   // Data plane. Collective, in the same order on every rank.
   // out = reduce(in over ranks); in == out means in place.
