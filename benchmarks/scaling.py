@@ -279,6 +279,8 @@ def launch_gloo(hosts: int, slots: int, python: str, program: list,
 
 def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
              args: argparse.Namespace) -> dict:
+    from perseusrun import emulate
+
     profile = scaling_model.load_profile(model, step_scale=args.step_scale)
     ranks = hosts * slots
     synchronous = SYSTEMS[name].worker != "ps_async"
@@ -302,6 +304,7 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "trainers": result["trainers"], "link_rate": args.link_rate,
             "link_mtu": args.link_mtu or 1500, "link_delay_ms": args.link_delay or 0,
             "link_jitter_ms": args.link_jitter or 0, "link_loss_pct": args.link_loss or 0,
+            "link_queue_ms": args.link_queue or emulate.DEFAULT_QUEUE_MS,
             "byte_scale": args.byte_scale, "step_scale": args.step_scale,
             "dilation": args.dilate, "steps": args.steps,
             "carried_allreduce_bytes": int(os.environ.get("PERSEUS_CARRIED_ALLREDUCE_BYTES",
@@ -528,7 +531,8 @@ def parse_args() -> argparse.Namespace:
 
 def dilate(args: argparse.Namespace) -> None:
     """--dilate D: every time of the cluster D times longer (compute, delay, jitter, the link's
-    time per byte), the bytes and the ratios between those times unchanged, the timeout too."""
+    time per byte and its queue), the bytes and the ratios between those times unchanged, the
+    timeout too. (A queue of the same milliseconds holds the same bytes at 1/D of the rate.)"""
     from perseusrun import emulate
 
     if args.dilate < 1.0:
@@ -543,6 +547,7 @@ def dilate(args: argparse.Namespace) -> None:
     args.step_scale *= args.dilate
     args.link_delay = args.link_delay * args.dilate if args.link_delay else args.link_delay
     args.link_jitter = args.link_jitter * args.dilate if args.link_jitter else args.link_jitter
+    args.link_queue = (args.link_queue or emulate.DEFAULT_QUEUE_MS) * args.dilate
     args.timeout *= args.dilate
 
 

@@ -48,8 +48,9 @@ MAX_HOSTS = 64
 MIN_MTU, MAX_MTU = 576, 65535  # IPv4's smallest datagram every host must take; a veth's largest
 MAX_DELAY_MS = 10_000.0
 # A rate-limited link's queue: tbf's bucket of at least 4 ms of traffic (tbf needs a burst above
-# rate / HZ) and 10 ms of waiting frames before it drops; the user-space link queues as much.
-MIN_BURST_BYTES, BURST_SECONDS, QUEUE_SECONDS = 512 * 1024, 0.004, 0.010
+# rate / HZ) and, by default, 10 ms of waiting frames before it drops (--link-queue); the
+# user-space link queues as much.
+MIN_BURST_BYTES, BURST_SECONDS, DEFAULT_QUEUE_MS = 512 * 1024, 0.004, 10.0
 LINK_EMULATOR = Path(__file__).with_name("link_emulator")
 NETNS_RUN = Path("/run/netns")  # where `ip netns add` mounts each namespace
 COMMAND_TIMEOUT = 30.0
@@ -125,9 +126,9 @@ class EmulatedHosts(Sequence):
 
 def check_requirements(link_rate: str | None = None, mtu: int | None = None,
                        delay_ms: float | None = None, jitter_ms: float | None = None,
-                       loss: float | None = None) -> None:
+                       loss: float | None = None, queue_ms: float | None = None) -> None:
     """Raises EmulationError naming what is missing (root, `ip`, `unshare`, `tc`, the built
-    link emulator) or what is wrong with the links' rate, MTU, delay, jitter or loss."""
+    link emulator) or what is wrong with the links' rate, MTU, delay, jitter, loss or queue."""
     missing = []
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         missing.append("root (network namespaces need CAP_SYS_ADMIN and CAP_NET_ADMIN)")
@@ -154,6 +155,12 @@ def check_requirements(link_rate: str | None = None, mtu: int | None = None,
                              f"({delay_ms or 0:g} ms): each frame is held delay +- jitter")
     if loss is not None and not 0 <= loss < 100:
         raise EmulationError(f"link loss {loss:g}%: expected 0 to less than 100 percent")
+    if queue_ms is not None and not 0 < queue_ms <= MAX_DELAY_MS:
+        raise EmulationError(f"link queue {queue_ms:g} ms: expected more than 0 to "
+                             f"{MAX_DELAY_MS:g} ms of traffic at the link rate")
+    if queue_ms is not None and not link_rate:
+        raise EmulationError(f"link queue {queue_ms:g} ms: a queue is a rate-limited link's; "
+                             "give the rate too (--link-rate)")
 
 
 def user_space_links(delay_ms: float | None = None, jitter_ms: float | None = None,
@@ -308,14 +315,15 @@ def _burst_bytes(bytes_per_second: float) -> int:
     return max(MIN_BURST_BYTES, int(bytes_per_second * BURST_SECONDS))
 
 
-def _limit(device: str, rate: str, bytes_per_second: float, namespace: str | None) -> None:
+def _limit(device: str, rate: str, bytes_per_second: float, queue_ms: float,
+           namespace: str | None) -> None:
     netns = ["-n", namespace] if namespace else []
     _run("tc", *netns, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
-         "burst", str(_burst_bytes(bytes_per_second)), "latency", f"{QUEUE_SECONDS * 1000:g}ms")
+         "burst", str(_burst_bytes(bytes_per_second)), "latency", f"{queue_ms:g}ms")
 
 
 def _start_link_emulator(tag: str, hosts: list[EmulatedHost], bytes_per_second: float | None,
-                         delay_ms: float, jitter_ms: float, loss: float,
+                         delay_ms: float, jitter_ms: float, loss: float, queue_ms: float,
                          job_dir: Path) -> subprocess.Popen:
     """The user-space switch with every host's eth0 and the launch side's TAP `<tag>br`, once
     it has created them. Its standard input is a pipe that only this process holds: it ends
@@ -323,7 +331,7 @@ def _start_link_emulator(tag: str, hosts: list[EmulatedHost], bytes_per_second: 
     burst = _burst_bytes(bytes_per_second) if bytes_per_second else 0
     argv = [str(LINK_EMULATOR), "--rate", f"{bytes_per_second or 0:.0f}",
             "--burst-bytes", str(burst),
-            "--queue-bytes", str(int((bytes_per_second or 0) * QUEUE_SECONDS)),
+            "--queue-bytes", str(int((bytes_per_second or 0) * queue_ms / 1000)),
             "--delay-us", str(round(delay_ms * 1000)), "--jitter-us", str(round(jitter_ms * 1000)),
             "--loss", f"{loss / 100:.6f}",
             "--seed", str(os.getpid()), "--launch-tap", f"{tag}br",
@@ -355,7 +363,7 @@ def _stop_link_emulator(proc: subprocess.Popen) -> None:
 
 def _build(tag: str, count: int, link_rate: str | None, state: Path, mtu: int | None,
            delay_ms: float | None = None, jitter_ms: float | None = None,
-           loss: float | None = None) -> EmulatedHosts:
+           loss: float | None = None, queue_ms: float | None = None) -> EmulatedHosts:
     subnet = _free_subnet()
     launch_link = f"{tag}br"  # the bridge, or the launch side's TAP of the user-space links
     hosts = [EmulatedHost(i, f"{tag}h{i}", f"{tag}h{i}", f"{SUBNET_PREFIX}.{subnet}.{i + 1}")
@@ -363,6 +371,7 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path, mtu: int | 
     job_dir = state / tag
     job_dir.mkdir(mode=0o700)
     rate = rate_bytes_per_second(link_rate) if link_rate else None
+    queue_ms = queue_ms or DEFAULT_QUEUE_MS
     mtu_args = ["mtu", str(mtu)] if mtu else []
     user_space = user_space_links(delay_ms, jitter_ms, loss)
     if not user_space:
@@ -376,10 +385,10 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path, mtu: int | 
                  host.namespace)
             _run("ip", "link", "set", veth, *mtu_args, "master", launch_link, "up")
             if rate is not None:
-                _limit(veth, link_rate, rate, None)  # into the host
-                _limit("eth0", link_rate, rate, host.namespace)  # out of the host
+                _limit(veth, link_rate, rate, queue_ms, None)  # into the host
+                _limit("eth0", link_rate, rate, queue_ms, host.namespace)  # out of the host
     emulator = (_start_link_emulator(tag, hosts, rate, delay_ms or 0, jitter_ms or 0, loss or 0,
-                                     job_dir) if user_space else None)
+                                     queue_ms, job_dir) if user_space else None)
     try:
         _run("ip", "addr", "add", f"{SUBNET_PREFIX}.{subnet}.{LAUNCH_HOST}/24", "dev",
              launch_link)
@@ -404,17 +413,20 @@ def _build(tag: str, count: int, link_rate: str | None, state: Path, mtu: int | 
 @contextlib.contextmanager
 def emulated_hosts(count: int, link_rate: str | None = None, mtu: int | None = None,
                    delay_ms: float | None = None, jitter_ms: float | None = None,
-                   loss: float | None = None) -> Iterator[EmulatedHosts]:
+                   loss: float | None = None,
+                   queue_ms: float | None = None) -> Iterator[EmulatedHosts]:
     """`count` emulated hosts for the time of the with-block; everything is removed after it.
     `delay_ms` (one way, per link), `jitter_ms` and `loss` (percent of the frames leaving a
     host) put the user-space links in place of veths (see the module's description).
+    `queue_ms`: how much traffic, in milliseconds at `link_rate`, a link holds before it drops
+    frames (default DEFAULT_QUEUE_MS).
 
     Removal also runs when the block raises (KeyboardInterrupt included); SIGINT and SIGTERM are
     ignored while it runs so that a second Ctrl-C cannot leave half a cluster behind.
     """
     if not 1 <= count <= MAX_HOSTS:
         raise EmulationError(f"emulated hosts: {count} requested, 1 to {MAX_HOSTS} supported")
-    check_requirements(link_rate, mtu, delay_ms, jitter_ms, loss)
+    check_requirements(link_rate, mtu, delay_ms, jitter_ms, loss, queue_ms)
     state = _state_dir()
     tag = f"{TAG_PREFIX}{os.getpid()}x{next(_job_numbers)}"
     if len(f"{tag}h{count - 1}") > 15:  # Linux interface names
@@ -423,7 +435,8 @@ def emulated_hosts(count: int, link_rate: str | None = None, mtu: int | None = N
     try:
         with _locked(state):
             remove_stale(state)
-            hosts = _build(tag, count, link_rate, state, mtu, delay_ms, jitter_ms, loss)
+            hosts = _build(tag, count, link_rate, state, mtu, delay_ms, jitter_ms, loss,
+                           queue_ms)
         yield hosts
     finally:
         previous, deferred = _defer_stop_signals()

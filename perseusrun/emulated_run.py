@@ -28,7 +28,8 @@ def parse_emulated_hosts(spec: str) -> tuple[int, int]:
 
 def _links(args: argparse.Namespace) -> tuple:
     """emulate.emulated_hosts' link parameters after its host count, from the command line."""
-    return args.link_rate, args.link_mtu, args.link_delay, args.link_jitter, args.link_loss
+    return (args.link_rate, args.link_mtu, args.link_delay, args.link_jitter, args.link_loss,
+            args.link_queue)
 
 
 def check_emulation_args(args: argparse.Namespace) -> tuple[int, int]:

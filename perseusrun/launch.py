@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--link-loss", type=float, metavar="PCT",
                    help="with --emulate-hosts: drop PCT percent of the frames leaving each host "
                         "at random (fault tests); user-space links")
+    p.add_argument("--link-queue", type=float, metavar="MS",
+                   help="with --link-rate: each link holds MS milliseconds of traffic at its "
+                        "rate before it drops frames, like a switch port's buffer (default 10)")
     p.add_argument("--restarts", type=int, default=0, metavar="K",
                    help="after a lost rank, start the job again (at most K times), without "
                         "its host when --min-np allows; it resumes from the last checkpoint")
@@ -126,7 +129,7 @@ def choose_backend(args: argparse.Namespace, env: dict) -> ModuleType:
         return emulated_run
     for flag, value in (("--link-rate", args.link_rate), ("--link-mtu", args.link_mtu),
                         ("--link-delay", args.link_delay), ("--link-jitter", args.link_jitter),
-                        ("--link-loss", args.link_loss)):
+                        ("--link-loss", args.link_loss), ("--link-queue", args.link_queue)):
         if value is not None:
             raise UsageError(f"{flag} sets emulated hosts' links: add --emulate-hosts N")
     if slurm_run.in_allocation(args, env):

@@ -44,8 +44,12 @@ RATE = "1gbit"
      "link jitter 1 ms: expected 0 to the link delay (0 ms)"),
     (["--emulate-hosts", "2", "--link-loss", "100", "x"], "link loss 100%: expected 0 to less"),
     (["--emulate-hosts", "2", "--link-delay", "x", "x"], "--link-delay: invalid float value"),
+    (["--link-queue", "5", "-np", "2", "x"], "--link-queue sets emulated hosts' links"),
+    (["--emulate-hosts", "2", "--link-queue", "5", "x"], "give the rate too (--link-rate)"),
+    (["--emulate-hosts", "2", "--link-rate", "1gbit", "--link-queue", "0", "x"],
+     "link queue 0 ms: expected more than 0"),
 ])
-def test_bad_link_delay_jitter_or_loss_exits_2_naming_the_value(capsys, argv, message):
+def test_bad_link_delay_jitter_loss_or_queue_exits_2_naming_the_value(capsys, argv, message):
     assert launch.main(argv) == 2
     assert message in capsys.readouterr().err
 
@@ -126,9 +130,11 @@ def _children(pid: int) -> list[int]:
 
 @needs_emulation
 def test_the_link_emulator_and_its_taps_die_with_a_sigkilled_launcher():
-    """perseusrun --link-delay: the emulator runs with the delay asked; SIGKILL to the launcher
-    ends it and its TAP devices at once; the next emulated launch removes the namespaces."""
+    """perseusrun --link-delay: the emulator runs with the delay and the queue asked (40 ms at
+    100 Mbit/s: 500 kB); SIGKILL to the launcher ends it and its TAP devices at once; the next
+    emulated launch removes the namespaces."""
     proc = subprocess.Popen([PERSEUSRUN, "--tcp", "--emulate-hosts", "2", "--link-delay", "1.5",
+                             "--link-rate", "100mbit", "--link-queue", "40",
                              "--timeout", "150", sys.executable,
                              str(ROOT / "tests/workers/launch_worker.py"), "hang"],
                             cwd=ROOT, env=launch_env(), stdout=subprocess.PIPE, text=True)
@@ -144,6 +150,7 @@ def test_the_link_emulator_and_its_taps_die_with_a_sigkilled_launcher():
         assert len(emulators) == 1, _children(proc.pid)
         argv = Path(f"/proc/{emulators[0]}/cmdline").read_text().split("\0")
         assert argv[argv.index("--delay-us") + 1] == "1500", argv
+        assert argv[argv.index("--queue-bytes") + 1] == "500000", argv
         tag = f"{emulate.TAG_PREFIX}{proc.pid}x0"
         proc.kill()
         proc.wait()

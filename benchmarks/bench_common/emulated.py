@@ -244,19 +244,22 @@ def add_link_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link-jitter", type=float, metavar="MS", help="+- on each delay")
     parser.add_argument("--link-loss", type=float, metavar="PCT",
                         help="percent of the frames leaving a host lost")
+    parser.add_argument("--link-queue", type=float, metavar="MS",
+                        help="milliseconds of traffic at the link rate a link holds before it "
+                             "drops frames (perseusrun's default: 10)")
 
 
 def emulated_links(args: argparse.Namespace) -> dict:
     """emulate.emulated_hosts' keywords for the links that add_link_options describes."""
     return {"link_rate": args.link_rate, "mtu": args.link_mtu, "delay_ms": args.link_delay,
-            "jitter_ms": args.link_jitter, "loss": args.link_loss}
+            "jitter_ms": args.link_jitter, "loss": args.link_loss, "queue_ms": args.link_queue}
 
 
 def link_flags(args: argparse.Namespace) -> list:
     """perseusrun's flags for the same links."""
     values = {"--link-rate": args.link_rate, "--link-mtu": args.link_mtu,
               "--link-delay": args.link_delay, "--link-jitter": args.link_jitter,
-              "--link-loss": args.link_loss}
+              "--link-loss": args.link_loss, "--link-queue": args.link_queue}
     return [text for flag, value in values.items() if value is not None
             for text in (flag, str(value))]
 
