@@ -310,6 +310,7 @@ def make_row(name: str, model: str, hosts: int, slots: int, result: dict,
             "carried_allreduce_bytes": int(os.environ.get("PERSEUS_CARRIED_ALLREDUCE_BYTES",
                                                           "1024")),
             "allreduce_hop_latency_us": os.environ.get("PERSEUS_ALLREDUCE_HOP_LATENCY_US", "50"),
+            "allreduce_link_gbit": float(os.environ.get("PERSEUS_ALLREDUCE_LINK_GBIT", "1")),
             "allreduce_algorithm": dict(SYSTEMS[name].env).get("PERSEUS_ALLREDUCE_ALGORITHM",
                                                               "auto"),
             "allreduce_algorithms": result.get("algorithms")}
@@ -575,6 +576,9 @@ def main() -> None:
             scaling_model.load_profile(model)
     except (emulate.EmulationError, ValueError) as exc:
         sys.exit(f"scaling.py: {exc}")
+    # The runtime's cost model takes the links' rate (dilated: 1 / D of it, as its measured step
+    # latency is D times longer, so that it picks what the undilated cluster would).
+    os.environ.setdefault("PERSEUS_ALLREDUCE_LINK_GBIT", f"{8e-9 * args.link_bytes_s:g}")
     names = prepare(names, args)
     json_path = Path(args.json) if args.json else None
     if json_path:

@@ -237,7 +237,8 @@ def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
                    algorithm=row.get("allreduce_algorithm") or "auto",
                    stop_agreement=row.get("stop_agreement", True),
                    carried_bytes=row.get("carried_allreduce_bytes", 0),
-                   policy_hop_us=policy_hop_us(row))
+                   policy_hop_us=policy_hop_us(row),
+                   policy_gbit=row.get("allreduce_link_gbit", DEFAULT_POLICY_GBIT))
 
 
 def one_host_extra(rows: list, row: dict, profile) -> float | None:

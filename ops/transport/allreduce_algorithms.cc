@@ -10,6 +10,14 @@ namespace {
 // loaded core). It keeps two ranks on the ring for large tensors, where recursive doubling
 // would move as many bytes over the link but combine twice as many.
 constexpr double kReduceSecsPerByte = 0.5e-9;
+// Halving-doubling moves its bytes at 1 / 1.3 of the ring's rate: each of its steps sends a
+// whole block at once to a new partner (a connection whose window must open again, a burst
+// through the switch's queue) and waits for it all before the next step, where the ring's steps
+// stream chunk by chunk over the same two connections. Measured on 8 emulated hosts at
+// 250 Mbit/s (benchmarks/cluster.py): 16 MiB at 0.72 of the link against the ring's 0.96;
+// with 8 ms a link, 1.6-1.7 times the ring's time at 4 and 16 MiB, and faster up to 1 MiB,
+// where its fewer steps count. So large tensors take the ring, small ones halving-doubling.
+constexpr double kHalvingDoublingByteCost = 1.3;
 
 constexpr const char* kNames[kAllreduceAlgorithms] = {"auto", "ring", "halving_doubling",
                                                       "recursive_doubling", "transport"};
@@ -60,7 +68,8 @@ double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double byt
     case AllreduceAlgorithm::kRing:
       return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes * beta + (n - 1) / n * bytes * gamma;
     case AllreduceAlgorithm::kHalvingDoubling:
-      return fold + 2 * steps * alpha + 2.0 * (p - 1) / p * bytes * beta +
+      return fold + 2 * steps * alpha +
+             2.0 * (p - 1) / p * bytes * beta * kHalvingDoublingByteCost +
              1.0 * (p - 1) / p * bytes * gamma;
     case AllreduceAlgorithm::kRecursiveDoubling:
       return fold + steps * (alpha + bytes * beta + bytes * gamma);
