@@ -69,7 +69,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("PERSEUS_HIERARCHICAL_ALLREDUCE", "auto", "auto, 1 or 0",
             "hierarchical allreduce across hosts", (RUNTIME,)),
     Setting("PERSEUS_ALLREDUCE_ALGORITHM", "auto",
-            "auto, ring, halving_doubling or recursive_doubling",
+            "auto, ring, halving_doubling, recursive_doubling or torus",
             "the flat allreduce's algorithm (auto: the cost model's choice)", (RUNTIME,)),
     Setting("PERSEUS_ALLREDUCE_HOP_LATENCY_US", "50", "microseconds >= 0",
             "the cost model's latency of one step (alpha)", (RUNTIME,)),

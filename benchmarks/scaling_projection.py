@@ -311,8 +311,10 @@ def project(constants: Constants, models: list, real_link_bytes_s: float,
             hop_ms: float | None = None, ranks_per_host: int = 1,
             hosts_list: tuple = PROJECTED_HOSTS, wire_bytes: float = 1.0) -> list:
     """Efficiency of each model on `hosts_list` servers x `ranks_per_host` at the real link rate
-    and real bytes, the runtime's cost model told that link; the one-rank step is the profile's
-    compute (the emulation's own overhead left out)."""
+    and real bytes, the runtime's cost model told that link and that message latency (as
+    PERSEUS_ALLREDUCE_LINK_GBIT and PERSEUS_ALLREDUCE_HOP_LATENCY_US, or `auto`, would on such a
+    network); the one-rank step is the profile's compute (the emulation's own overhead left
+    out)."""
     constants = replace(constants, hop_ms=constants.hop_ms if hop_ms is None else hop_ms)
     gbit = 8e-9 * real_link_bytes_s
     out = []
@@ -321,7 +323,7 @@ def project(constants: Constants, models: list, real_link_bytes_s: float,
         one = step_ms(profile, Cluster(1, 1, real_link_bytes_s), constants)
         for hosts in hosts_list:
             cluster = Cluster(hosts, ranks_per_host, real_link_bytes_s, policy_gbit=gbit,
-                              wire_bytes=wire_bytes)
+                              policy_hop_us=1e3 * constants.hop_ms, wire_bytes=wire_bytes)
             step = step_ms(profile, cluster, constants)
             out.append({"model": model, "hosts": hosts, "ranks_per_host": ranks_per_host,
                         "ranks": hosts * ranks_per_host, "step_ms": step,

@@ -1,12 +1,14 @@
-"""The flat allreduce algorithms (ring, halving-doubling, recursive doubling: docs/design.md
-"Transports") on real ranks against numpy and bit for bit alike on every rank
+"""The flat allreduce algorithms (ring, halving-doubling, recursive doubling, torus:
+docs/design.md "Transports") on real ranks against numpy and bit for bit alike on every rank
 (tests/workers/allreduce_algorithms.py): over TCP every group size from 2 to 16 (the cost model's
-choice), over MPI every group size from 2 to 6 for halving-doubling and 2 to 4 for recursive
-doubling (each algorithm named by PERSEUS_ALLREDUCE_ALGORITHM, since under auto Open MPI's own
-allreduce runs small tensors; these cover powers of two and groups folding one and two extra
-ranks, and keep the launches cheap: 16 MPI ranks on 2 cores take minutes). The schedules are
-the same code on both transports (allreduce_algorithms.cc). Which algorithm ran is
-read from runtime_stats() and checked against the cost model as docs/design.md states it."""
+choice) and from 2 to 12 for the torus, over MPI every group size from 2 to 6 for
+halving-doubling and the torus and 2 to 4 for recursive doubling (each algorithm named by
+PERSEUS_ALLREDUCE_ALGORITHM, since under auto Open MPI's own allreduce runs small tensors; these
+cover powers of two, groups folding one and two extra ranks, tori of one column (primes) and of
+2 x 2 to 3 x 4, and keep the launches cheap: 16 MPI ranks on 2 cores take minutes). The
+schedules are the same code on both transports (allreduce_algorithms.cc); the torus's rings are
+each transport's own, over the same segments. Which algorithm ran is read from runtime_stats()
+and checked against the cost model as docs/design.md states it."""
 
 from __future__ import annotations
 
@@ -20,12 +22,22 @@ HOP_LATENCY_US = 5.0  # moves the cut-overs down to the worker's small tensors
 LINK_GBIT = 1.0
 REDUCE_SECS_PER_BYTE = 0.5e-9
 HALVING_DOUBLING_BYTE_COST = 1.3  # its bytes move at 1 / 1.3 of the ring's rate
+TORUS_BYTE_COST = 1.1
+TORUS_WIDE_BYTE_COST = 1.5  # from a step latency of 1 ms (a wide network)
 
 LAUNCHES = {  # name: controller, PERSEUS_ALLREDUCE_ALGORITHM, ranks
     "tcp-auto": ("tcp", "auto", 16),
     "mpi-halving_doubling": ("mpi", "halving_doubling", 6),
     "mpi-recursive_doubling": ("mpi", "recursive_doubling", 4),
+    "tcp-torus": ("tcp", "torus", 12),
+    "mpi-torus": ("mpi", "torus", 6),
 }
+
+
+def torus_shape(ranks: int) -> tuple:
+    """(x, y): rows of x positions, x the largest divisor with x * x <= ranks."""
+    x = max(d for d in range(1, int(math.isqrt(ranks)) + 1) if ranks % d == 0)
+    return x, ranks // x
 
 
 def modelled_costs(ranks: int, nbytes: int, hop_us: float = HOP_LATENCY_US,
@@ -36,11 +48,14 @@ def modelled_costs(ranks: int, nbytes: int, hop_us: float = HOP_LATENCY_US,
     steps = int(math.log2(p))
     fold = 0.0 if p == ranks else 2 * alpha + 2 * nbytes * beta + nbytes * gamma
     n = ranks
+    torus_cost = TORUS_WIDE_BYTE_COST if hop_us >= 1000 else TORUS_BYTE_COST
     costs = {
         "ring": 2 * (n - 1) * alpha + (n - 1) / n * nbytes * (2 * beta + gamma),
         "halving_doubling": fold + 2 * steps * alpha
         + (p - 1) / p * nbytes * (2 * beta * HALVING_DOUBLING_BYTE_COST + gamma),
         "recursive_doubling": fold + steps * (alpha + nbytes * (beta + gamma)),
+        "torus": 2 * (sum(torus_shape(n)) - 2) * alpha
+        + (n - 1) / n * nbytes * (2 * beta * torus_cost + gamma),
     }
     return costs
 
@@ -50,7 +65,7 @@ def modelled_choice(ranks: int, nbytes: int, hop_us: float = HOP_LATENCY_US,
     """The cheapest algorithm by that model (ties: the ring first)."""
     costs = modelled_costs(ranks, nbytes, hop_us, gbit)
     best = "ring"
-    for name in ("halving_doubling", "recursive_doubling"):
+    for name in ("halving_doubling", "recursive_doubling", "torus"):
         if costs[name] < costs[best]:
             best = name
     return best
@@ -83,7 +98,7 @@ def test_the_algorithm_that_ran_is_the_setting_or_the_cost_models_choice(launch)
         assert name == expected, f"{n} ranks, {nbytes} bytes: ran {name}, expected {expected}"
     if algorithm == "auto":  # the worker's sizes cross every cut-over of the model
         assert {name for _, _, name in ran} == {"ring", "halving_doubling",
-                                                "recursive_doubling"}, out
+                                                "recursive_doubling", "torus"}, out
 
 
 def test_the_core_exposes_the_cost_model_the_runtime_picks_by():

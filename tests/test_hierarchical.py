@@ -50,6 +50,20 @@ def test_hosts_of_several_ranks_reduce_hierarchically_and_match_numpy(controller
 
 
 @needs_emulation
+@pytest.mark.parametrize("controller", ["tcp", "mpi"])
+def test_a_torus_across_four_hosts_of_two_ranks_matches_numpy(controller, tmp_path):
+    """PERSEUS_ALLREDUCE_ALGORITHM=torus: across 4 hosts, rows of 2 and columns of 2. Odd sizes
+    (the phases one after another) and tensors from 4 MiB (over TCP pipelined: the torus's
+    three phases across hosts are stages of their own beside the host's) equal to numpy and
+    alike on every rank; every part across hosts counted as the torus."""
+    options = ["--emulate-hosts", "4:2"] + (["--tcp"] if controller == "tcp" else [])
+    out = run_emulated(options, WORKER, "torus", timeout=240,
+                       env={"PERSEUS_ALLREDUCE_ALGORITHM": "torus"})
+    assert_every_rank(out, 8, hierarchical=True)
+    assert out.count("local_size=2 cross_size=4") == 8, out
+
+
+@needs_emulation
 @pytest.mark.parametrize("controller,layout,setting", [("mpi", "2:2", "0"), ("tcp", "2:1", "1")],
                          ids=["mpi-setting-0", "tcp-1-rank-per-host"])
 def test_flat_when_turned_off_or_one_rank_per_host(controller, layout, setting, tmp_path):

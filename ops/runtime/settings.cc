@@ -76,7 +76,7 @@ Status ReadAllreduce(AllreducePolicy* policy, bool* measure_hop_latency) {
   const char* name = "PERSEUS_ALLREDUCE_ALGORITHM";
   const char* text = Text(name);
   if (text != nullptr && !ParseAllreduceAlgorithm(text, &policy->algorithm)) {
-    return Invalid(name, text, "one of auto, ring, halving_doubling, recursive_doubling");
+    return Invalid(name, text, "one of auto, ring, halving_doubling, recursive_doubling, torus");
   }
   double latency_us = policy->hop_latency_secs * 1e6;
   const char* latency = Text("PERSEUS_ALLREDUCE_HOP_LATENCY_US");

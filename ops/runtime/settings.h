@@ -53,8 +53,9 @@ struct Settings {
   int64_t carried_allreduce_bytes = 1024;
   std::string timeline_path;                            // PERSEUS_TIMELINE; "": none
   Hierarchical hierarchical = Hierarchical::kAuto;      // PERSEUS_HIERARCHICAL_ALLREDUCE
-  // PERSEUS_ALLREDUCE_ALGORITHM (auto, ring, halving_doubling, recursive_doubling) and the cost
-  // model's PERSEUS_ALLREDUCE_HOP_LATENCY_US (alpha) and PERSEUS_ALLREDUCE_LINK_GBIT (1 / beta).
+  // PERSEUS_ALLREDUCE_ALGORITHM (auto, ring, halving_doubling, recursive_doubling, torus) and
+  // the cost model's PERSEUS_ALLREDUCE_HOP_LATENCY_US (alpha) and PERSEUS_ALLREDUCE_LINK_GBIT
+  // (1 / beta).
   AllreducePolicy allreduce;
   // PERSEUS_ALLREDUCE_HOP_LATENCY_US=auto: the step latency is measured once at init (rank 0
   // times a few barriers; every rank takes half of its median) instead of read.

@@ -1,6 +1,7 @@
 // The allreduce algorithms' cost model and schedules (see allreduce_algorithms.h).
 #include "transport/allreduce_algorithms.h"
 
+#include <algorithm>
 #include <utility>
 
 namespace perseus {
@@ -18,9 +19,22 @@ constexpr double kReduceSecsPerByte = 0.5e-9;
 // with 8 ms a link, 1.6-1.7 times the ring's time at 4 and 16 MiB, and faster up to 1 MiB,
 // where its fewer steps count. So large tensors take the ring, small ones halving-doubling.
 constexpr double kHalvingDoublingByteCost = 1.3;
+// The torus's bytes move at 1 / 1.1 of the ring's rate: measured on 8 and 16 emulated hosts at
+// 250 Mbit/s (benchmarks/cluster.py, docs/scaling.md), 4-16 MiB took 1.02-1.17 times the ring's
+// time with its phases one after another (each line's connections idle while the other's phases
+// run) and 1.00-1.06 with them overlapped on slices. On a wide network (a step latency from
+// kWideHopSecs) at 1 / 1.5: with 8 ms a link its phases moved 4-16 MiB at 1.4-1.6 times the
+// ring's time for the bytes (its fewer steps still win up to about 1 MiB).
+constexpr double kTorusByteCost = 1.1;
+constexpr double kTorusWideByteCost = 1.5;
 
-constexpr const char* kNames[kAllreduceAlgorithms] = {"auto", "ring", "halving_doubling",
-                                                      "recursive_doubling", "transport"};
+// The torus's byte cost under `policy`.
+double TorusByteCost(const AllreducePolicy& policy) {
+  return policy.hop_latency_secs >= kWideHopSecs ? kTorusWideByteCost : kTorusByteCost;
+}
+
+constexpr const char* kNames[kAllreduceAlgorithms] = {
+    "auto", "ring", "halving_doubling", "recursive_doubling", "transport", "torus"};
 
 // The largest power of two <= n (n >= 1).
 int PowerOfTwoBelow(int n) {
@@ -37,6 +51,14 @@ int Log2(int p) {
 
 }  // namespace
 
+void TorusShape(int ranks, int* x, int* y) {
+  *x = 1;
+  for (int d = 2; d * d <= ranks; ++d) {
+    if (ranks % d == 0) *x = d;
+  }
+  *y = ranks / *x;
+}
+
 const char* AllreduceAlgorithmName(AllreduceAlgorithm algorithm) {
   const auto index = static_cast<size_t>(algorithm);
   return index < kAllreduceAlgorithms ? kNames[index] : "?";
@@ -45,7 +67,7 @@ const char* AllreduceAlgorithmName(AllreduceAlgorithm algorithm) {
 bool ParseAllreduceAlgorithm(const std::string& text, AllreduceAlgorithm* algorithm) {
   for (const AllreduceAlgorithm choice :
        {AllreduceAlgorithm::kAuto, AllreduceAlgorithm::kRing, AllreduceAlgorithm::kHalvingDoubling,
-        AllreduceAlgorithm::kRecursiveDoubling}) {
+        AllreduceAlgorithm::kRecursiveDoubling, AllreduceAlgorithm::kTorus}) {
     if (text == AllreduceAlgorithmName(choice)) {
       *algorithm = choice;
       return true;
@@ -73,9 +95,25 @@ double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double byt
              1.0 * (p - 1) / p * bytes * gamma;
     case AllreduceAlgorithm::kRecursiveDoubling:
       return fold + steps * (alpha + bytes * beta + bytes * gamma);
+    case AllreduceAlgorithm::kTorus: {
+      int x = 1, y = ranks;
+      TorusShape(ranks, &x, &y);
+      const double moved = 2 * (n - 1) / n * bytes * beta * TorusByteCost(policy);
+      return 2.0 * (x - 1 + y - 1) * alpha + moved + (n - 1) / n * bytes * gamma;
+    }
     default:
       return 0.0;
   }
+}
+
+bool TorusOverlapPays(int ranks, double bytes, int slices, const AllreducePolicy& policy) {
+  int x = 1, y = ranks;
+  TorusShape(ranks, &x, &y);
+  const double alpha = policy.hop_latency_secs, beta = 1.0 / policy.link_bytes_per_sec;
+  const double n = ranks;
+  const double more_latency = (2.0 * slices * std::max(x - 1, y - 1) - 2.0 * (x + y - 2)) * alpha;
+  const double less_idle = (TorusByteCost(policy) - 1) * 2 * (n - 1) / n * bytes * beta;
+  return more_latency < less_idle;
 }
 
 AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolicy& policy) {
@@ -83,7 +121,8 @@ AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolic
   AllreduceAlgorithm best = AllreduceAlgorithm::kRing;
   double best_secs = ModelledAllreduceSecs(best, ranks, static_cast<double>(bytes), policy);
   for (const AllreduceAlgorithm other :
-       {AllreduceAlgorithm::kHalvingDoubling, AllreduceAlgorithm::kRecursiveDoubling}) {
+       {AllreduceAlgorithm::kHalvingDoubling, AllreduceAlgorithm::kRecursiveDoubling,
+        AllreduceAlgorithm::kTorus}) {
     const double secs = ModelledAllreduceSecs(other, ranks, static_cast<double>(bytes), policy);
     if (secs < best_secs) {
       best = other;

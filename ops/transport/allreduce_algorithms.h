@@ -10,6 +10,15 @@
 // 2 log2 n steps moving the same 2 (n - 1) / n of the tensor as a ring.
 // Recursive doubling: log2 n exchanges of the whole tensor; for small tensors, where the steps'
 // latency is the cost, not their bytes.
+// Torus: the n positions as rows of x consecutive ones, y = n / x rows (x the largest divisor of
+// n with x * x <= n; TorusShape). A ring reduce-scatter along each row leaves every rank with
+// one x-th of the tensor summed over its row; a ring allreduce down each column (the ranks
+// holding the same x-th) completes it, and a ring allgather along the rows spreads it:
+// 2 (x - 1) + 2 (y - 1) steps instead of a ring's 2 (n - 1), moving the same 2 (n - 1) / n of
+// the tensor over links to two fixed partners a phase, each phase streamed chunk by chunk like a
+// ring. For many ranks and large tensors, where a ring pays its steps' latency and
+// halving-doubling its whole-block bursts to new partners. A prime n has rows of one position
+// (x = 1): the torus is then a ring.
 // A group whose size is not a power of two first folds its last n - p ranks (p the largest power
 // of two below n) into the first ones (each sends its tensor to position - p, which combines
 // it), runs the algorithm over the first p, and sends the result back: two more steps.
@@ -35,16 +44,24 @@ enum class AllreduceAlgorithm : uint8_t {
   kHalvingDoubling,
   kRecursiveDoubling,
   kTransport,
+  kTorus,
 };
-constexpr int kAllreduceAlgorithms = 5;
+constexpr int kAllreduceAlgorithms = 6;
 
-// "auto", "ring", "halving_doubling", "recursive_doubling", "transport".
+// "auto", "ring", "halving_doubling", "recursive_doubling", "transport", "torus".
 const char* AllreduceAlgorithmName(AllreduceAlgorithm algorithm);
 // The names PERSEUS_ALLREDUCE_ALGORITHM takes (all of the above but "transport").
 bool ParseAllreduceAlgorithm(const std::string& text, AllreduceAlgorithm* algorithm);
 
+// The torus's rows: *x positions each, *y of them (x <= y, x * y = ranks).
+void TorusShape(int ranks, int* x, int* y);
+
 // PERSEUS_ALLREDUCE_ALGORITHM, PERSEUS_ALLREDUCE_HOP_LATENCY_US, PERSEUS_ALLREDUCE_LINK_GBIT:
 // the same on every rank (the runtime checks it at init).
+// A wide network's step latency: from it, the MPI transport leaves no size to Open MPI's own
+// allreduce, and the torus's bytes cost what they measured on such links.
+constexpr double kWideHopSecs = 1e-3;
+
 struct AllreducePolicy {
   AllreduceAlgorithm algorithm = AllreduceAlgorithm::kAuto;
   double hop_latency_secs = 50e-6;   // alpha: one step's fixed cost (wake-ups, a trip each way)
@@ -55,8 +72,14 @@ struct AllreducePolicy {
 // per step alpha + bytes_moved * beta, plus bytes_combined * gamma (kReduceSecsPerByte).
 double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double bytes,
                              const AllreducePolicy& policy);
+// Whether the torus's phases, overlapped on `slices` slices of `bytes`, cost less than one after
+// another. Overlapped, each stage waits for its slowest line (2 max(x - 1, y - 1) step latencies
+// a slice); one after another, each line's links idle while the other's phases run (the model's
+// byte cost over the ring's, which the overlap saves).
+bool TorusOverlapPays(int ranks, double bytes, int slices, const AllreducePolicy& policy);
+
 // The policy's algorithm, or under kAuto the cheapest by the model (ties go to the ring, then
-// halving-doubling). Depends only on what every rank has alike.
+// halving-doubling, then the torus). Depends only on what every rank has alike.
 AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolicy& policy);
 
 // One step of a schedule, by position in the group (-1: no peer, nothing that way). Ranges are
@@ -73,9 +96,9 @@ struct AllreduceStep {
   bool mine_first = false;
 };
 
-// The steps of `algorithm` (kHalvingDoubling or kRecursiveDoubling: each transport runs its ring
-// its own way, pipelined chunk by chunk across steps) for position `me` of `ranks` (> 1), over
-// `count` elements. Every element of the output is written by some step.
+// The steps of `algorithm` (kHalvingDoubling or kRecursiveDoubling: each transport runs its
+// ring and its torus its own way, pipelined chunk by chunk across steps) for position `me` of
+// `ranks` (> 1), over `count` elements. Every element of the output is written by some step.
 std::vector<AllreduceStep> AllreduceSchedule(AllreduceAlgorithm algorithm, int ranks, int me,
                                              int64_t count);
 

@@ -742,6 +742,8 @@ Status MpiController::Allreduce(const void* in, void* out, int64_t count, DataTy
   switch (AllreduceAlgorithmFor(count, dtype)) {
     case AllreduceAlgorithm::kRing:
       return Ring(in, out, count, dtype, op, RingPart::kAllreduce);
+    case AllreduceAlgorithm::kTorus:
+      return Torus(in, out, count, dtype, op);
     case AllreduceAlgorithm::kHalvingDoubling:
     case AllreduceAlgorithm::kRecursiveDoubling:
       return Schedule(AllreduceAlgorithmFor(count, dtype), in, out, count, dtype, op);

@@ -99,15 +99,22 @@ class MpiController : public Controller {
   // Across hosts, a hierarchical allreduce's segment (a fraction of the tensor) takes the ring
   // from this size already: below kRingMinBytes, Open MPI picks a tree that halves the rate.
   static constexpr int64_t kCrossRingMinBytes = int64_t{64} << 10;
-  // From this step latency in the cost model, every size takes the model's choice: Open MPI's
-  // allreduce of a few hundred KiB on 8 ranks with 4 ms a message took 5 times as long as
-  // halving-doubling (docs/scaling.md), while with no added latency it was the faster one.
-  static constexpr double kWideHopSecs = 1e-3;
+  // From a wide network's step latency in the cost model (kWideHopSecs), every size takes the
+  // model's choice: Open MPI's allreduce of a few hundred KiB on 8 ranks with 4 ms a message
+  // took 5 times as long as halving-doubling (docs/scaling.md), while with no added latency it
+  // was the faster one.
   bool UseRing(int64_t count, DataType dtype) const;
   // Which steps of the ring run: all of them (an allreduce), or one of its halves.
   enum class RingPart { kAllreduce, kReduceScatter, kAllgather };
   Status Ring(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op,
               RingPart part);
+  // The same over `members` (positions in this communicator, in ring order; this rank is
+  // members[at]): Ring is it over every rank.
+  Status RingOver(const std::vector<int>& members, int at, const void* in, void* out,
+                  int64_t count, DataType dtype, ReduceOp op, RingPart part);
+  // The torus (allreduce_algorithms.h): a reduce-scatter along this rank's row, an allreduce of
+  // its part down its column, an allgather along its row, each a RingOver.
+  Status Torus(const void* in, void* out, int64_t count, DataType dtype, ReduceOp op);
   // Halving-doubling or recursive doubling (AllreduceSchedule) of point-to-point messages.
   Status Schedule(AllreduceAlgorithm algorithm, const void* in, void* out, int64_t count,
                   DataType dtype, ReduceOp op);

@@ -1,6 +1,7 @@
 // The MPI transport's ring of point-to-point messages (reduce-scatter, then allgather), each rank
 // sending to the next and receiving from the previous: the allreduce of large tensors, and its
-// two halves on their own for the hierarchical allreduce (response_executor.cc); and the
+// two halves on their own for the hierarchical allreduce (response_executor.cc); the torus as
+// three such rings over the rows and columns of the ranks; and the
 // halving-doubling and recursive doubling schedules (allreduce_algorithms.h) over the same
 // messages. Which one runs: AllreduceAlgorithmFor. Every link
 // carries 2(n-1)/n of the tensor, so a ring reaches the link rate across hosts, where Open MPI's
@@ -58,9 +59,9 @@ AllreduceAlgorithm MpiController::AllreduceAlgorithmFor(int64_t count, DataType 
         return AllreduceAlgorithm::kTransport;
       }
       const AllreduceAlgorithm chosen = ChooseAllreduce(size_, bytes, policy_);
-      return chosen == AllreduceAlgorithm::kRing && count < size_
-                 ? AllreduceAlgorithm::kRecursiveDoubling
-                 : chosen;
+      const bool rings =
+          chosen == AllreduceAlgorithm::kRing || chosen == AllreduceAlgorithm::kTorus;
+      return rings && count < size_ ? AllreduceAlgorithm::kRecursiveDoubling : chosen;
     }
     case AllreduceAlgorithm::kRing:  // a segment per rank, at least one element each
       return count >= size_ ? AllreduceAlgorithm::kRing : AllreduceAlgorithm::kTransport;
@@ -149,8 +150,40 @@ Status MpiController::Schedule(AllreduceAlgorithm algorithm, const void* in, voi
 
 Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dtype,
                            ReduceOp op, RingPart part) {
+  std::vector<int> everyone(static_cast<size_t>(size_));
+  for (int r = 0; r < size_; ++r) everyone[static_cast<size_t>(r)] = r;
+  return RingOver(everyone, rank_, in, out, count, dtype, op, part);
+}
+
+// The same segments as TcpController::GroupTorus (allreduce_algorithms.h).
+Status MpiController::Torus(const void* in, void* out, int64_t count, DataType dtype,
+                            ReduceOp op) {
+  int x = 1, y = 1;
+  TorusShape(size_, &x, &y);
+  const int row = rank_ / x, column = rank_ % x;
+  std::vector<int> along, down;
+  for (int c = 0; c < x; ++c) along.push_back(row * x + c);
+  for (int r = 0; r < y; ++r) down.push_back(r * x + column);
+  Status s = RingOver(along, column, in, out, count, dtype, op, RingPart::kReduceScatter);
+  const int64_t first = SegmentStart(count, x, column);
+  char* part = static_cast<char*>(out) + first * static_cast<int64_t>(DataTypeSize(dtype));
+  const int64_t part_count = SegmentStart(count, x, column + 1) - first;
+  if (s.ok()) s = RingOver(down, row, part, part, part_count, dtype, op, RingPart::kAllreduce);
+  if (s.ok()) s = RingOver(along, column, out, out, count, dtype, op, RingPart::kAllgather);
+  return s;
+}
+
+Status MpiController::RingOver(const std::vector<int>& members, int at, const void* in,
+                               void* out, int64_t count, DataType dtype, ReduceOp op,
+                               RingPart part) {
   if (!failed_.ok()) return failed_;
-  const int n = size_, me = rank_;
+  const int n = static_cast<int>(members.size()), me = at;
+  if (n == 1) {
+    if (part != RingPart::kAllgather && in != out) {
+      std::memcpy(out, in, static_cast<size_t>(count) * DataTypeSize(dtype));
+    }
+    return Status::OK();
+  }
   const int64_t item = static_cast<int64_t>(DataTypeSize(dtype));
   char* data = static_cast<char*>(out);
   const char* source = part == RingPart::kAllgather ? data : static_cast<const char*>(in);
@@ -158,7 +191,8 @@ Status MpiController::Ring(const void* in, void* out, int64_t count, DataType dt
   // the ring's segment me + 1, which is then its own segment me (controller.h).
   const auto segment = [&](int s) { return ((s - 1) % n + n) % n; };
   const auto first = [&](int seg) { return SegmentStart(count, n, seg); };
-  const int next = (me + 1) % n, prev = (me + n - 1) % n;
+  const int next = members[static_cast<size_t>((me + 1) % n)];
+  const int prev = members[static_cast<size_t>((me + n - 1) % n)];
   const std::vector<int> peers{WorldRank(prev), WorldRank(next)};
   // The same on every rank of the ring: the sizes of the chunks sent and received must agree.
   const int64_t chunk = ring_crosses_hosts_ ? kCrossHostChunkBytes : kOneHostChunkBytes;

@@ -108,6 +108,11 @@ class TcpController : public Controller {
   // Halving-doubling or recursive doubling over `group` (AllreduceSchedule), a step at a time.
   Status GroupSchedule(const Group& group, AllreduceAlgorithm algorithm, const void* in, void* out,
                        int64_t count, DataType dtype, ReduceOp op);
+  // The torus over `group` (allreduce_algorithms.h) as three rings, each streamed like
+  // GroupRing: a reduce-scatter along this rank's row, an allreduce of its part down its
+  // column, an allgather along its row (large tensors: Pipelined).
+  Status GroupTorus(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
+                    ReduceOp op);
   // The ring allreduce's reduce-scatter, its allgather, or both (GroupAllreduce), with the
   // segments of Controller::ReduceScatter / AllgatherSegments.
   Status GroupRing(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
@@ -186,9 +191,15 @@ class TcpController : public Controller {
   // A ring's reduce-scatter, allgather or both over `group` as one lane (GroupRing).
   Lane RingLane(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
                 ReduceOp op, bool reduce_scatter, bool allgather) const;
-  // The hierarchical allreduce with its phases overlapped on slices (tcp_ring.cc).
-  Status PipelinedHierarchical(const void* in, void* out, int64_t count, DataType dtype,
-                               ReduceOp op);
+  // An allreduce in three phases overlapped on slices of the tensor (tcp_ring.cc): a
+  // reduce-scatter over `inner`, an allreduce of this rank's segment over `outer` (a ring, or
+  // with `torus` the torus's phases as stages of their own), an allgather over `inner`. The
+  // hierarchical allreduce (inner: the host's ranks, outer: one rank a host) and a large torus
+  // (inner: its row, outer: its column).
+  Status Pipelined(const Group& inner, const Group& outer, bool torus, const void* in, void* out,
+                   int64_t count, DataType dtype, ReduceOp op);
+  // The torus's row (`along`) and column (`down`) through this rank, for rows of x.
+  static void TorusLines(const Group& group, int x, Group* along, Group* down);
   // Queues `message` for `peer`'s control connection; ControlExchange sends it.
   void QueueMessage(int peer, const std::string& message);
   // One control frame to `peer`: header, payload and its MAC (the next of this connection).

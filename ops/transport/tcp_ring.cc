@@ -1,9 +1,10 @@
 // The TCP transport's data plane: one nonblocking engine (Streams) and the collectives built on
 // it: ring allreduce (reduce-scatter then allgather, chunked, so receiving, reducing and sending
-// overlap) and each of its halves, halving-doubling and recursive doubling
+// overlap) and each of its halves, halving-doubling, recursive doubling and the torus
 // (allreduce_algorithms.h), the hierarchical allreduce with its phases overlapped, ring
-// allgatherv, pipelined chain broadcast, pairwise alltoallv. Each runs over a Group of ranks: every rank, a process set's members, or a part of
-// the hierarchical allreduce, over their connections of the mesh.
+// allgatherv, pipelined chain broadcast, pairwise alltoallv. Each runs over a Group of ranks:
+// every rank, a process set's members, or a part of the hierarchical allreduce or of the torus,
+// over their connections of the mesh.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -220,6 +221,9 @@ Status TcpController::GroupAllreduce(const Group& group, const void* in, void* o
   // The choice depends only on what every rank of the group has alike (size, count, dtype, the
   // policy).
   const AllreduceAlgorithm algorithm = GroupAlgorithm(group, count, dtype);
+  if (algorithm == AllreduceAlgorithm::kTorus) {
+    return GroupTorus(group, in, out, count, dtype, op);
+  }
   if (algorithm == AllreduceAlgorithm::kHalvingDoubling ||
       algorithm == AllreduceAlgorithm::kRecursiveDoubling) {
     return GroupSchedule(group, algorithm, in, out, count, dtype, op);
@@ -264,6 +268,42 @@ Status TcpController::GroupSchedule(const Group& group, AllreduceAlgorithm algor
     if (!s.ok()) return s;
   }
   return Status::OK();
+}
+
+void TcpController::TorusLines(const Group& group, int x, Group* along, Group* down) {
+  const int y = group.size() / x, row = group.me / x, column = group.me % x;
+  along->ranks.clear();
+  down->ranks.clear();
+  for (int c = 0; c < x; ++c) along->ranks.push_back(group.ranks[row * x + c]);
+  for (int r = 0; r < y; ++r) down->ranks.push_back(group.ranks[r * x + column]);
+  along->me = column;
+  down->me = row;
+}
+
+// Three rings, each streamed like GroupRing; from kPipelineMinBytes, where the cost model says it
+// pays (TorusOverlapPays), the rows' phases and the columns' overlap on slices of the tensor
+// (Pipelined), so that no connection idles between them.
+Status TcpController::GroupTorus(const Group& group, const void* in, void* out, int64_t count,
+                                 DataType dtype, ReduceOp op) {
+  int x = 1, y = 1;
+  TorusShape(group.size(), &x, &y);
+  if (x == 1) return GroupRing(group, in, out, count, dtype, op, true, true);  // one column
+  Group along, down;
+  TorusLines(group, x, &along, &down);
+  const size_t item = DataTypeSize(dtype);
+  const size_t bytes = static_cast<size_t>(count) * item;
+  if (bytes >= kPipelineMinBytes &&
+      TorusOverlapPays(group.size(), static_cast<double>(bytes), PipelineSlices(bytes), policy_)) {
+    return Pipelined(along, down, false, in, out, count, dtype, op);
+  }
+  // After the reduce-scatter along the row, this rank's part (segment `column`) is in `out`.
+  Status s = GroupRing(along, in, out, count, dtype, op, true, false);
+  const int64_t first = SegmentStart(count, x, along.me);
+  void* part = static_cast<char*>(out) + first * static_cast<int64_t>(item);
+  const int64_t part_count = SegmentStart(count, x, along.me + 1) - first;
+  if (s.ok()) s = GroupRing(down, part, part, part_count, dtype, op, true, true);
+  if (s.ok()) s = GroupRing(along, out, out, count, dtype, op, false, true);
+  return s;
 }
 
 Status TcpController::GroupRing(const Group& group, const void* in, void* out, int64_t count,
@@ -319,64 +359,100 @@ TcpController::Lane TcpController::RingLane(const Group& group, const void* in, 
 Status TcpController::HierarchicalAllreduce(const void* in, void* out, int64_t count,
                                             DataType dtype, ReduceOp op, const char** how,
                                             AllreduceAlgorithm* across) {
-  // The pipeline's part across hosts is a ring on each slice's segment: it runs only where the
-  // cost model picks the ring for a segment of that size (not at hundreds of hosts, where
-  // halving-doubling's fewer steps win), else the phases take turns and the part across hosts
-  // runs the model's choice. The choice depends only on what every rank of the job has alike
-  // (the count, the dtype, the layout and the policy), so all of them take the same path.
+  // The pipeline's part across hosts is a ring or a torus on each slice's segment: it runs only
+  // where the cost model picks one of them for a segment of that size, else the phases take
+  // turns and the part across hosts runs the model's choice. The choice depends only on what
+  // every rank of the job has alike (the count, the dtype, the layout and the policy), so all of
+  // them take the same path.
   const size_t bytes = static_cast<size_t>(count) * DataTypeSize(dtype);
   const int64_t segment = count / PipelineSlices(bytes) / local_group_.size();
+  const AllreduceAlgorithm chosen = GroupAlgorithm(cross_group_, segment, dtype);
   if (bytes < kPipelineMinBytes ||
-      GroupAlgorithm(cross_group_, segment, dtype) != AllreduceAlgorithm::kRing) {
+      (chosen != AllreduceAlgorithm::kRing && chosen != AllreduceAlgorithm::kTorus)) {
     return Controller::HierarchicalAllreduce(in, out, count, dtype, op, how, across);
   }
   *how = kHierarchicalPipelined;
-  *across = AllreduceAlgorithm::kRing;
-  return PipelinedHierarchical(in, out, count, dtype, op);
+  *across = chosen;
+  return Pipelined(local_group_, cross_group_, chosen == AllreduceAlgorithm::kTorus, in, out,
+                   count, dtype, op);
 }
 
-// The tensor is cut into slices that go through the three phases one stage apart: in stage k
-// the host's ranks reduce-scatter slice k and allgather slice k - 2 (one lane: they share the
-// host's connections) while the ring across hosts allreduces this rank's segment of slice
-// k - 1. The host link then idles only while the first slice is reduce-scattered and the last
-// one allgathered. Every rank runs the same stages; a connection carries each stage's bytes in
-// the same order on both of its ends, so a rank a stage ahead only waits.
-Status TcpController::PipelinedHierarchical(const void* in, void* out, int64_t count,
-                                            DataType dtype, ReduceOp op) {
+// The tensor is cut into slices that go through the phases one stage apart. With a ring over
+// `outer`, in stage k the inner group reduce-scatters slice k and allgathers slice k - 2 (one
+// lane: they share its connections) while the outer ring allreduces this rank's segment of slice
+// k - 1. With a torus over `outer` (rows of x > 1), a slice's outer part takes three stages: in
+// stage k the torus's row reduce-scatters slice k - 1 and allgathers slice k - 3 (one lane), its
+// column allreduces its part of slice k - 2, and the inner group reduce-scatters slice k and
+// allgathers slice k - 4. The lanes of a stage use different connections: the inner group, the
+// row and the column have only this rank in common. A link then idles only while the pipeline
+// fills and drains, where phases one after another left each group's links idle during the
+// others' phases (and TCP's window closed again on a connection idle for long). Every rank runs
+// the same stages; a connection carries each stage's bytes in the same order on both of its
+// ends, so a rank a stage ahead only waits.
+Status TcpController::Pipelined(const Group& inner, const Group& outer, bool torus,
+                                const void* in, void* out, int64_t count, DataType dtype,
+                                ReduceOp op) {
   if (!failed_.ok()) return failed_;
   const size_t item = DataTypeSize(dtype);
   const size_t bytes = static_cast<size_t>(count) * item;
   const int slices = PipelineSlices(bytes);
-  const int local_size = local_group_.size(), me = local_group_.me;
+  const int local_size = inner.size(), me = inner.me;
+  int x = 1, y = outer.size();
+  if (torus) TorusShape(outer.size(), &x, &y);
+  Group along, down;
+  TorusLines(outer, x, &along, &down);
+  const int column = along.me;
+  const int depth = x > 1 ? 4 : 2;  // stages from a slice's inner reduce-scatter to its allgather
   auto first = [&](int k) { return SegmentStart(count, slices, k); };
   auto at = [&](const void* base, int64_t element) {
     return const_cast<char*>(static_cast<const char*>(base)) + element * static_cast<int64_t>(item);
   };
-  for (int stage = 0; stage < slices + 2; ++stage) {
-    std::vector<Lane> lanes;
-    Lane host;
-    if (stage < slices) {
-      const int64_t start = first(stage), n = first(stage + 1) - start;
-      host = RingLane(local_group_, at(in, start), at(out, start), n, dtype, op, true, false);
+  // This rank's segment of slice k (the inner reduce-scatter leaves it there), and its part of
+  // that segment along the outer torus's row: {first element, count}.
+  auto segment_of = [&](int k) {
+    const int64_t n = first(k + 1) - first(k);
+    const int64_t offset = SegmentStart(n, local_size, me);
+    return std::make_pair(first(k) + offset, SegmentStart(n, local_size, me + 1) - offset);
+  };
+  auto part_of = [&](int k) {
+    const auto [start, n] = segment_of(k);
+    const int64_t offset = SegmentStart(n, x, column);
+    return std::make_pair(start + offset, SegmentStart(n, x, column + 1) - offset);
+  };
+  // A reduce-scatter of slice `scatter` then an allgather of slice `gather` over `group` (each
+  // when in [0, slices)) on `range`'s elements, as one lane.
+  auto both = [&](const Group& group, int scatter, int gather, auto range, bool whole) {
+    Lane lane;
+    if (scatter >= 0 && scatter < slices) {
+      const auto [start, n] = range(scatter);
+      lane = RingLane(group, at(whole ? in : out, start), at(out, start), n, dtype, op, true,
+                      false);
     }
-    if (stage >= 2) {
-      const int64_t start = first(stage - 2), n = first(stage - 1) - start;
-      Lane gather = RingLane(local_group_, at(out, start), at(out, start), n, dtype, op, false,
-                             true);
-      if (host.sends.empty() && host.recvs.empty()) {
-        host = gather;
+    if (gather >= 0 && gather < slices) {
+      const auto [start, n] = range(gather);
+      Lane g = RingLane(group, at(out, start), at(out, start), n, dtype, op, false, true);
+      if (lane.sends.empty() && lane.recvs.empty()) {
+        lane = g;
       } else {  // after the reduce-scatter's pieces: its reduced receipts stay the first ones
-        host.sends.insert(host.sends.end(), gather.sends.begin(), gather.sends.end());
-        host.recvs.insert(host.recvs.end(), gather.recvs.begin(), gather.recvs.end());
+        lane.sends.insert(lane.sends.end(), g.sends.begin(), g.sends.end());
+        lane.recvs.insert(lane.recvs.end(), g.recvs.begin(), g.recvs.end());
       }
     }
-    lanes.push_back(std::move(host));
-    if (stage >= 1 && stage <= slices) {
-      const int64_t start = first(stage - 1), n = first(stage) - start;
-      const int64_t offset = SegmentStart(n, local_size, me);
-      const int64_t mine = SegmentStart(n, local_size, me + 1) - offset;
-      void* segment = at(out, start + offset);
-      lanes.push_back(RingLane(cross_group_, segment, segment, mine, dtype, op, true, true));
+    return lane;
+  };
+  auto whole_slice = [&](int k) { return std::make_pair(first(k), first(k + 1) - first(k)); };
+  for (int stage = 0; stage < slices + depth; ++stage) {
+    std::vector<Lane> lanes;
+    lanes.push_back(both(inner, stage, stage - depth, whole_slice, true));
+    if (x > 1) {
+      lanes.push_back(both(along, stage - 1, stage - 3, segment_of, false));
+      if (stage >= 2 && stage < slices + 2) {
+        const auto [start, n] = part_of(stage - 2);
+        lanes.push_back(RingLane(down, at(out, start), at(out, start), n, dtype, op, true, true));
+      }
+    } else if (stage >= 1 && stage <= slices) {
+      const auto [start, n] = segment_of(stage - 1);
+      lanes.push_back(RingLane(down, at(out, start), at(out, start), n, dtype, op, true, true));
     }
     Status s = Streams(lanes);
     if (!s.ok()) return s;

@@ -226,7 +226,7 @@ def runtime_stats() -> dict:
     submitting thread with no negotiation, unless a timeline runs),
     "allreduce_algorithms" (flat allreduce collectives, and the part across hosts of the
     hierarchical ones, by the algorithm that ran: "ring", "halving_doubling",
-    "recursive_doubling", "transport" for MPI's own; docs/design.md),
+    "recursive_doubling", "torus", "transport" for MPI's own; docs/design.md),
     "autotune" (not counters: "fusion_threshold_bytes", "cycle_time_us" and "hop_latency_ns" in
     force, "changes" PERSEUS_AUTOTUNE made to them, "fixed": 1 once its search has ended;
     docs/settings.md).

@@ -7,11 +7,13 @@ every combination meets several group sizes, checks the result against numpy, an
 algorithm ran from runtime_stats()["allreduce_algorithms"]. Rank 0 prints one line per case:
 "RAN n bytes algorithm". At the end every rank's results are compared bit for bit with every
 other member's (through one allgather of their CRC-32s): the reduction order must be the same on
-every rank. Any mismatch exits non-zero naming the rank.
+every rank. Any mismatch exits non-zero naming the rank. With PERSEUS_ALLREDUCE_ALGORITHM=torus,
+also one tensor above 4 MiB over every rank (check_large_torus).
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import ml_dtypes
@@ -45,6 +47,19 @@ def algorithms_ran() -> dict:
     return dict(_core.runtime_stats()["allreduce_algorithms"])
 
 
+def check_large_torus(rank: int, size: int) -> None:
+    """From 4 MiB the TCP transport overlaps the torus's rows and columns on slices: an odd count
+    over every rank, against numpy and with the same bits on every rank."""
+    count = (1 << 20) + 3
+    data = [rank_data(r, (count,), "float32", seed=7) for r in range(size)]
+    got = _core.allreduce(data[rank], "alg.torus.large", op=SUM)
+    assert_close(rank, "torus, 4 MiB + 12 bytes", got, expected_reduce(data, SUM, "float32"),
+                 **tolerance("float32"))
+    everyone = _core.allgather(got[None, :], "alg.torus.large.bits")
+    if not all(np.array_equal(row.view(np.uint32), got.view(np.uint32)) for row in everyone):
+        fail(rank, "torus, 4 MiB + 12 bytes: ranks ended with different bits")
+
+
 def main() -> None:
     basics.init()
     rank, size = _core.rank(), _core.size()
@@ -71,6 +86,8 @@ def main() -> None:
                     print(f"RAN {n} {count * np.dtype(dtype).itemsize} {ran[0]}", flush=True)
         if the_set is not None:
             process_sets.remove_process_set(the_set)
+    if os.environ.get("PERSEUS_ALLREDUCE_ALGORITHM") == "torus":
+        check_large_torus(rank, size)
     every = _core.allgather(digests.reshape(1, -1), "alg.digests").reshape(size, size + 1, -1)
     for n in range(2, size + 1):
         for i in range(len(SIZES)):

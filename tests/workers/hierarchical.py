@@ -6,8 +6,9 @@ records it, the cost model's choice for the part across hosts included.
 Usage: hierarchical.py EXPECT [TIMELINE]
   EXPECT: "hierarchical" (every allreduce of the global set runs hierarchically),
   "hierarchical-quick" (the same with fewer dtypes and large tensors, for launches of many
-  ranks), or "flat" (none does: fewer checks); TIMELINE: a path prefix for this run's timeline
-  files.
+  ranks), "torus" (hierarchically, with PERSEUS_ALLREDUCE_ALGORITHM=torus across 4 or more
+  hosts: every part across hosts counted as the torus), or "flat" (none does: fewer checks);
+  TIMELINE: a path prefix for this run's timeline files.
 "mismatch" instead of EXPECT: rank 1 sets PERSEUS_HIERARCHICAL_ALLREDUCE=0, the others 1, and
 every rank must fail init() saying so; "bad-value": the setting is "yes", which init() refuses.
 """
@@ -185,7 +186,7 @@ def check_timeline(rank: int, size: int, prefix: str, expect: str) -> None:
     algorithms = [e.get("args", {}).get("algorithm") for e in events
                   if e.get("name", "").endswith("_ALLREDUCE")]
     # A flat allreduce is named by its algorithm (docs/settings.md, PERSEUS_ALLREDUCE_ALGORITHM).
-    flat = {"ring", "halving_doubling", "recursive_doubling", "transport"}
+    flat = {"ring", "halving_doubling", "recursive_doubling", "torus", "transport"}
     if not (algorithms == [expect] or (expect == "flat" and len(algorithms) == 1
                                        and algorithms[0] in flat)):
         fail(rank, f"timeline allreduce events name algorithms {algorithms}, expected "
@@ -229,6 +230,7 @@ def main() -> None:
     print(f"[rank {rank}] {CONTROLLER} local_size={_core.local_size()} "
           f"cross_size={_core.cross_size()}", flush=True)
     before = counters()
+    algorithms_before = dict(_core.runtime_stats()["allreduce_algorithms"])
     pipelined_cases = 0
     if expect.startswith("hierarchical"):  # the flat algorithms have tests of their own
         quick = expect == "hierarchical-quick"
@@ -236,12 +238,22 @@ def main() -> None:
         check_large_and_scaled(rank, size, quick)
         pipelined_cases = check_pipelined(rank, size, quick)
         check_cross_algorithms(rank, size)
+    elif expect == "torus":
+        check_every_op_and_dtype(rank, size, quick=True)
+        pipelined_cases = check_pipelined(rank, size, quick=False)
     check_fused(rank, size)
     in_set = check_process_set(rank, size)
     after = counters()
     ran, hierarchical, pipelined = (a - b for a, b in zip(after, before))
     global_set = ran - in_set
-    wanted = global_set if expect.startswith("hierarchical") else 0
+    if expect == "torus":
+        algorithms = dict(_core.runtime_stats()["allreduce_algorithms"])
+        ran_as = {name: count - algorithms_before[name] for name, count in algorithms.items()
+                  if count != algorithms_before[name]}
+        if set(ran_as) != {"torus"}:
+            fail(rank, f"the parts across hosts and the set's flat allreduce ran {ran_as}, "
+                       "expected only the torus")
+    wanted = global_set if expect != "flat" else 0
     if hierarchical != wanted:
         fail(rank, f"{hierarchical} of {ran} allreduces ran hierarchically ({in_set} on a "
                    f"process set), expected {wanted}")
