@@ -109,11 +109,11 @@ Status AgreeOnSettings(Controller* controller, const Settings& settings) {
   return verdict.empty() ? Status::OK() : Status::Error(verdict);
 }
 
-// PERSEUS_ALLREDUCE_HOP_LATENCY_US=auto. A barrier is a gather to rank 0 and its answer: two
-// messages between rank 0 and the farthest rank, with every wake-up on the way, which is what one
-// step of an allreduce algorithm pays. Rank 0 times kLatencyProbes of them and sends half of the
-// median; every rank takes that value, so that all pick the same algorithms. Clamped to 1 us -
-// 1 s.
+// PERSEUS_ALLREDUCE_HOP_LATENCY_US=auto. A barrier is BarrierMessages() messages one after
+// another (over TCP a gather to rank 0 and its answer; over MPI ceil(log2 n) rounds), each with
+// its wake-ups, which is what one step of an allreduce algorithm pays. Rank 0 times
+// kLatencyProbes of them and sends the median over that count; every rank takes that value, so
+// that all pick the same algorithms. Clamped to 1 us - 1 s.
 Status MeasureHopLatency(Controller* controller, double* secs) {
   constexpr int kLatencyProbes = 9;
   std::vector<double> took;
@@ -124,7 +124,8 @@ Status MeasureHopLatency(Controller* controller, double* secs) {
     took.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::nth_element(took.begin(), took.begin() + kLatencyProbes / 2, took.end());
-  std::string value = std::to_string(took[kLatencyProbes / 2] / 2);
+  std::string value =
+      std::to_string(took[kLatencyProbes / 2] / std::max(1, controller->BarrierMessages()));
   Status s = controller->BroadcastFromCoordinator(&value);
   if (!s.ok()) return s;
   char* end = nullptr;

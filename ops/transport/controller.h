@@ -68,6 +68,10 @@ class Controller {
   virtual Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                            const std::vector<int64_t>& recv_counts, size_t unit_bytes) = 0;
   virtual Status Barrier() = 0;
+  // How many messages one after another a Barrier() waits for: a gather to rank 0 and its
+  // answer, 2, unless the transport's barrier runs otherwise. PERSEUS_ALLREDUCE_HOP_LATENCY_US=
+  // auto divides a barrier's time by it to get one message's.
+  virtual int BarrierMessages() const { return 2; }
   // The two halves of a ring Allreduce, for algorithms built of them (the hierarchical
   // allreduce below), over `count` elements split into size() segments
   // (SegmentStart).

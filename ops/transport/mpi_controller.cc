@@ -877,6 +877,12 @@ Status MpiController::PairwiseExchange(const char* in, const std::vector<Span>& 
   return Status::OK();
 }
 
+int MpiController::BarrierMessages() const {
+  int rounds = 1;
+  while ((1 << rounds) < size_) ++rounds;
+  return rounds;
+}
+
 Status MpiController::Barrier() {
   std::vector<MPI_Request> request(1);
   Status s = Check(MPI_Ibarrier(data_, request.data()), "MPI_Ibarrier");

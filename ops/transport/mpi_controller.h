@@ -65,6 +65,8 @@ class MpiController : public Controller {
   Status Alltoallv(const void* in, const std::vector<int64_t>& send_counts, void* out,
                    const std::vector<int64_t>& recv_counts, size_t unit_bytes) override;
   Status Barrier() override;
+  // Open MPI's nonblocking barrier disseminates: ceil(log2 n) rounds of one message each.
+  int BarrierMessages() const override;
   Status ReduceScatter(const void* in, void* out, int64_t count, DataType dtype,
                        ReduceOp op) override;
   Status AllgatherSegments(void* data, int64_t count, DataType dtype) override;
