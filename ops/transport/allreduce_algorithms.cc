@@ -59,6 +59,14 @@ void TorusShape(int ranks, int* x, int* y) {
   *y = ranks / *x;
 }
 
+void TorusLines(int ranks, int x, int me, std::vector<int>* along, std::vector<int>* down) {
+  const int y = ranks / x, row = me / x, column = me % x;
+  along->clear();
+  down->clear();
+  for (int c = 0; c < x; ++c) along->push_back(row * x + c);
+  for (int r = 0; r < y; ++r) down->push_back(r * x + column);
+}
+
 const char* AllreduceAlgorithmName(AllreduceAlgorithm algorithm) {
   const auto index = static_cast<size_t>(algorithm);
   return index < kAllreduceAlgorithms ? kNames[index] : "?";

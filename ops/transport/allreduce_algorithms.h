@@ -55,6 +55,9 @@ bool ParseAllreduceAlgorithm(const std::string& text, AllreduceAlgorithm* algori
 
 // The torus's rows: *x positions each, *y of them (x <= y, x * y = ranks).
 void TorusShape(int ranks, int* x, int* y);
+// The positions of the row (`along`; position `me` is its element me % x) and of the column
+// (`down`; its element me / x) through `me`, for rows of x of `ranks` positions.
+void TorusLines(int ranks, int x, int me, std::vector<int>* along, std::vector<int>* down);
 
 // PERSEUS_ALLREDUCE_ALGORITHM, PERSEUS_ALLREDUCE_HOP_LATENCY_US, PERSEUS_ALLREDUCE_LINK_GBIT:
 // the same on every rank (the runtime checks it at init).

@@ -162,8 +162,7 @@ Status MpiController::Torus(const void* in, void* out, int64_t count, DataType d
   TorusShape(size_, &x, &y);
   const int row = rank_ / x, column = rank_ % x;
   std::vector<int> along, down;
-  for (int c = 0; c < x; ++c) along.push_back(row * x + c);
-  for (int r = 0; r < y; ++r) down.push_back(r * x + column);
+  TorusLines(size_, x, rank_, &along, &down);
   Status s = RingOver(along, column, in, out, count, dtype, op, RingPart::kReduceScatter);
   const int64_t first = SegmentStart(count, x, column);
   char* part = static_cast<char*>(out) + first * static_cast<int64_t>(DataTypeSize(dtype));

@@ -271,13 +271,11 @@ Status TcpController::GroupSchedule(const Group& group, AllreduceAlgorithm algor
 }
 
 void TcpController::TorusLines(const Group& group, int x, Group* along, Group* down) {
-  const int y = group.size() / x, row = group.me / x, column = group.me % x;
-  along->ranks.clear();
-  down->ranks.clear();
-  for (int c = 0; c < x; ++c) along->ranks.push_back(group.ranks[row * x + c]);
-  for (int r = 0; r < y; ++r) down->ranks.push_back(group.ranks[r * x + column]);
-  along->me = column;
-  down->me = row;
+  perseus::TorusLines(group.size(), x, group.me, &along->ranks, &down->ranks);
+  for (int& position : along->ranks) position = group.ranks[position];
+  for (int& position : down->ranks) position = group.ranks[position];
+  along->me = group.me % x;
+  down->me = group.me / x;
 }
 
 // Three rings, each streamed like GroupRing; from kPipelineMinBytes, where the cost model says it
