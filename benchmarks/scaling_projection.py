@@ -18,9 +18,13 @@ The step (bench_common/scaling_model.py's profile of the model):
     the MPI transport runs Open MPI's allreduce, counted as recursive doubling, unless that step
     latency is 1 ms or more), costed by the
     same alpha-beta formula with the fitted hop as alpha and the fitted share of the link rate;
-  - G ranks a host: a reduce-scatter and an allgather among the host's ranks (2(G-1) steps of
-    `LOCAL_HOP_MS`, 2(G-1)/G of the bytes at `LOCAL_BYTES_S`), and between them each local rank
-    allreduces its 1/G slice across the hosts at once, the G of them sharing the host's link;
+  - G ranks a host: the hierarchical allreduce, a reduce-scatter and an allgather among the
+    host's ranks and between them each local rank's allreduce of its 1/G segment across the
+    hosts at once, the G of them sharing the host's link; costed by the runtime's own model of
+    it (`_core.hierarchical_cost`: the host's phases at its step latency and rate, the part
+    across hosts as above), on the TCP transport by the plan its runtime picks (the phases
+    overlapped on slices, each stage as long as its slowest lane, where the model says that
+    pays), on MPI one phase after another;
 - a round's tensors of at most PERSEUS_CARRIED_ALLREDUCE_BYTES, taken in order while their
   bytes fit in it, travel with the negotiation (docs/design.md, carried allreduces) and cost
   nothing more; a round with nothing else in it has no allreduce;
@@ -63,10 +67,8 @@ MAX_CALIBRATION_CPU = 0.5
 PRODUCT_SYSTEMS = {"run_config_mpi", "run_config_tcp", "run_config_tcp_ring", "sync_hook_mpi",
                    "dist_opt_mpi"}
 TENSOR_US = 2.0  # per tensor and round: allreduce.py, 100 x 16 KiB as ops against one tensor
-LOCAL_HOP_MS = 0.05  # one step between two ranks of a host (shared memory or loopback)
-# A host's ranks reducing and copying slices between them: benchmarks/allreduce.py, 2 ranks of
-# this machine over MPI's shared memory, 64 MiB in 25 ms (the ring moves 2(G-1)/G = 1 of it).
-LOCAL_BYTES_S = 2.7e9
+# A negotiation's message between two ranks of one host (the runtime's kLocalHopSecs).
+LOCAL_HOP_MS = 0.05
 # Below these, MPI runs Open MPI's own allreduce (mpi_controller.h): flat, and a hierarchical
 # allreduce's slice across hosts.
 MPI_RING_MIN_BYTES = 1 << 20
@@ -117,22 +119,45 @@ def _core():
     return core
 
 
-def allreduce_ms(cluster: Cluster, constants: Constants, ranks: int, nbytes: float,
-                 link_share: float = 1.0) -> tuple[str, float]:
-    """(algorithm, ms) of one allreduce of `nbytes` across `ranks` hosts, each host's link
-    shared `1 / link_share` ways."""
-    core = _core()
+def chosen_algorithm(cluster: Cluster, ranks: int, nbytes: float) -> str:
+    """The algorithm the runtime picks for an allreduce of `nbytes` across `ranks` hosts."""
     ring_min = MPI_CROSS_RING_MIN_BYTES if cluster.ranks_per_host > 1 else MPI_RING_MIN_BYTES
     if cluster.transport == "mpi" and cluster.algorithm == "auto" and nbytes < ring_min \
             and cluster.policy_hop_us < MPI_WIDE_HOP_US:
-        chosen = "recursive_doubling"  # Open MPI's own allreduce for small messages
-    else:
-        chosen, _ = core.allreduce_cost(ranks, nbytes, cluster.policy_hop_us,
-                                        cluster.policy_gbit, cluster.algorithm)
+        return "recursive_doubling"  # Open MPI's own allreduce for small messages
+    return _core().allreduce_cost(ranks, nbytes, cluster.policy_hop_us, cluster.policy_gbit,
+                                  cluster.algorithm)[0]
+
+
+def fitted_gbit(cluster: Cluster, constants: Constants) -> float:
+    """The rate a transfer between hosts reaches: the fitted share of the link."""
+    return 8e-9 * constants.efficiency * cluster.link_bytes_s
+
+
+def allreduce_ms(cluster: Cluster, constants: Constants, nbytes: float) -> tuple[str, float]:
+    """(what ran, ms) of one allreduce of `nbytes` on `cluster`. One rank a host: across the
+    hosts by the algorithm the runtime picks. Several: the hierarchical allreduce (the host's
+    phases at the runtime's model of them), the TCP transport's plan for it (its phases
+    overlapped on slices where its model says so), the MPI transport's phases one after
+    another."""
+    core = _core()
+    hosts, local = cluster.hosts, cluster.ranks_per_host
     hop_us = 1e3 * (constants.hop_ms + cluster.delay_ms)
-    gbit = 8e-9 * constants.efficiency * cluster.link_bytes_s * link_share
-    _, secs = core.allreduce_cost(ranks, nbytes, hop_us, gbit, chosen)
-    return chosen, 1e3 * secs
+    if local == 1:
+        chosen = chosen_algorithm(cluster, hosts, nbytes)
+        _, secs = core.allreduce_cost(hosts, nbytes, hop_us, fitted_gbit(cluster, constants),
+                                      chosen)
+        return chosen, 1e3 * secs
+    if cluster.transport == "tcp" or hosts == 1:
+        slices, across, _ = core.hierarchical_cost(local, hosts, nbytes, cluster.policy_hop_us,
+                                                   cluster.policy_gbit, cluster.algorithm)
+    else:
+        slices, across = 0, chosen_algorithm(cluster, hosts, nbytes / local)
+    _, _, secs = core.hierarchical_cost(local, hosts, nbytes, hop_us,
+                                        fitted_gbit(cluster, constants), across, slices)
+    if hosts == 1:
+        return "local", 1e3 * secs
+    return (f"{across} on {slices} slices" if slices else across), 1e3 * secs
 
 
 def carried_split(cluster: Cluster, sizes: list) -> float:
@@ -155,15 +180,9 @@ def round_ms(cluster: Cluster, constants: Constants, fused_bytes: float, tensors
     hop = constants.hop_ms + cluster.delay_ms if hosts > 1 else LOCAL_HOP_MS
     negotiation = 2 * hop + (tensors * constants.tensor_us
                              + (hosts * local - 1) * constants.coordinator_us) / 1e3
-    ms = 0.0
     if nbytes <= 0:
         return negotiation
-    if local > 1:
-        ms += 2 * (local - 1) * LOCAL_HOP_MS + 1e3 * 2 * (local - 1) / local * nbytes \
-            / LOCAL_BYTES_S
-    if hosts > 1:
-        ms += allreduce_ms(cluster, constants, hosts, nbytes / local, 1 / local)[1]
-    return negotiation + ms
+    return negotiation + allreduce_ms(cluster, constants, nbytes)[1]
 
 
 def step_ms(profile: scaling_model.Profile, cluster: Cluster, constants: Constants,
@@ -349,8 +368,7 @@ def print_checks(rows: list, constants: Constants, byte_scale: float, link: floa
         busy = f"{row['cpu_busy']:.0%}" if row.get("cpu_busy") is not None else ""
         cluster = cluster_of(row, link, byte_scale)
         fused = 4 * sum(profile.tensor_elements(cluster.byte_scale))
-        chosen = allreduce_ms(cluster, constants, row["hosts"],
-                              fused / row["ranks_per_host"])[0] if row["hosts"] > 1 else "local"
+        chosen = allreduce_ms(cluster, constants, fused)[0]
         marker = " (fit)" if is_calibration(row, max_hosts) else ""
         print(f"| {row['model']} | {row['system']}{marker} | {row['hosts']}x"
               f"{row['ranks_per_host']} | {row.get('link_delay_ms') or 0:g} | {chosen} | "

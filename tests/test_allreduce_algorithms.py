@@ -119,6 +119,93 @@ def test_the_core_exposes_the_cost_model_the_runtime_picks_by():
         _core.allreduce_cost(1, 1024, 50.0, 1.0)
 
 
+LOCAL_HOP_SECS = 50e-6  # between two ranks of a host
+LOCAL_BYTES_PER_SEC = 2.7e9
+PIPELINE_MIN_BYTES = 4 << 20
+
+
+def pipeline_slices(nbytes: int) -> int:
+    return min(16, max(2, nbytes // (2 << 20)))
+
+
+def modelled_hierarchical(local: int, hosts: int, nbytes: float, slices: int, across: str,
+                          hop_us: float, gbit: float) -> float:
+    """Seconds of a hierarchical allreduce by docs/design.md's model: the host's phases one
+    after another with the part across hosts (slices 0), or as the stages of the pipeline."""
+    def host_half(b):
+        return (local - 1) * LOCAL_HOP_SECS + (local - 1) / local * b / LOCAL_BYTES_PER_SEC
+
+    shared = gbit / local  # the host's link, its local ranks' parts across hosts at once
+    if slices == 0:
+        return 2 * host_half(nbytes) + modelled_costs(hosts, nbytes / local, hop_us,
+                                                      shared)[across]
+    x, y = torus_shape(hosts) if across == "torus" else (1, hosts)
+    depth = 4 if x > 1 else 2
+    byte_cost = TORUS_WIDE_BYTE_COST if x > 1 and hop_us >= 1000 else 1.0
+    alpha, beta = hop_us * 1e-6, byte_cost * 8 / (shared * 1e9)
+    segment = nbytes / slices / local
+    total = 0.0
+    for stage in range(slices + depth):
+        host = sum(host_half(nbytes / slices) for k in (stage, stage - depth) if 0 <= k < slices)
+        steps = sent = combined = 0.0  # across hosts: the longest lane's steps, all bytes
+        if x > 1:
+            row = (x - 1) / x * segment
+            row_steps = 0
+            if 0 <= stage - 1 < slices:  # the row's reduce-scatter
+                row_steps, sent, combined = x - 1, row, row
+            if 0 <= stage - 3 < slices:  # and allgather, in the same lane
+                row_steps, sent = row_steps + x - 1, sent + row
+            steps = row_steps
+            if 0 <= stage - 2 < slices:  # the column's allreduce of its part
+                column = (y - 1) / y * segment / x
+                steps, sent, combined = max(steps, 2 * (y - 1)), sent + 2 * column, \
+                    combined + column
+        elif 0 <= stage - 1 < slices:
+            ring = (hosts - 1) / hosts * segment
+            steps, sent, combined = 2 * (hosts - 1), 2 * ring, ring
+        cross = steps * alpha + sent * beta + combined * REDUCE_SECS_PER_BYTE
+        total += max(host, cross)
+    return total
+
+
+def modelled_plan(local: int, hosts: int, nbytes: int, hop_us: float, gbit: float) -> tuple:
+    """(slices, algorithm across hosts) of the TCP transport's hierarchical allreduce."""
+    in_turn = (0, modelled_choice(hosts, nbytes // local, hop_us, gbit))
+    if nbytes < PIPELINE_MIN_BYTES:
+        return in_turn
+    slices = pipeline_slices(nbytes)
+    sliced = modelled_choice(hosts, nbytes // slices // local, hop_us, gbit)
+    if sliced in ("ring", "torus"):
+        return slices, sliced
+    plans = [in_turn] + [(s, "torus") for s in (2, 4, 8, 16)]
+    return min(plans, key=lambda plan: modelled_hierarchical(local, hosts, nbytes, *plan,
+                                                             hop_us, gbit))
+
+
+def test_the_core_exposes_the_hierarchical_plan_the_tcp_runtime_picks():
+    # The phases overlap where a slice's segment takes the ring or the torus; where it takes
+    # halving-doubling or recursive doubling they overlap on the torus, on fewer slices, if the
+    # model says that pays (at 128 hosts x 4 on 25 Gbit/s for tens of MiB).
+    from perseus_legacy import _core
+
+    seen = set()
+    for local, hosts in ((2, 2), (2, 4), (4, 4), (2, 8), (4, 128), (4, 512)):
+        for nbytes in (1 << 20, 4 << 20, 9 << 20, 32 << 20, 64 << 20):
+            for hop_us, gbit in ((50.0, 1.0), (50.0, 25.0), (1000.0, 10.0), (200.0, 100.0)):
+                slices, across, secs = _core.hierarchical_cost(local, hosts, nbytes, hop_us, gbit)
+                plan = modelled_plan(local, hosts, nbytes, hop_us, gbit)
+                assert (slices, across) == plan, (local, hosts, nbytes, hop_us, gbit)
+                assert secs == pytest.approx(modelled_hierarchical(
+                    local, hosts, nbytes, *plan, hop_us, gbit)), (local, hosts, nbytes)
+                seen.add((slices > 0, across, slices == pipeline_slices(nbytes)))
+    # every kind of plan came up: in turn, overlapped on the default slices, on fewer
+    assert {(False, "halving_doubling", False), (True, "ring", True),
+            (True, "torus", True), (True, "torus", False)} <= seen, seen
+    assert _core.hierarchical_cost(4, 128, 32 << 20, 50.0, 25.0)[:2] == (4, "torus")
+    with pytest.raises(ValueError, match="needs its algorithm"):
+        _core.hierarchical_cost(2, 4, 1 << 22, 50.0, 1.0, "auto", 4)
+
+
 @needs_emulation
 @pytest.mark.parametrize("controller", ["tcp", "mpi"])
 def test_an_auto_step_latency_is_measured_at_init_and_moves_the_choice(controller):

@@ -51,17 +51,17 @@ def test_projection_adds_the_link_delay_to_each_step_of_the_algorithm_the_runtim
     constants = scaling_projection.Constants(efficiency=1.0, hop_ms=0.5)
     plain = scaling_projection.Cluster(8, 1, 125e6, byte_scale=1 / 25)
     delayed = dataclasses.replace(plain, delay_ms=2.0)
-    name, before = scaling_projection.allreduce_ms(plain, constants, 8, 64 << 10)
+    name, before = scaling_projection.allreduce_ms(plain, constants, 64 << 10)
     assert name == "torus"  # the runtime's default policy, 8 ranks, 64 KiB
     # Rows of 2, columns of 4: 8 steps, 2 ms more each; and with 2.5 ms a step (a wide network,
     # from 1 ms) the torus's bytes cost 1.5 times the ring's instead of 1.1 (docs/design.md).
     wide_bytes_ms = (1.5 - 1.1) * 2 * 7 / 8 * (64 << 10) / 125e6 * 1e3
-    assert scaling_projection.allreduce_ms(delayed, constants, 8, 64 << 10) == \
+    assert scaling_projection.allreduce_ms(delayed, constants, 64 << 10) == \
         (name, pytest.approx(before + 2 * (1 + 3) * 2.0 + wide_bytes_ms))
     ring = dataclasses.replace(delayed, algorithm="ring")
     _, ring_plain = scaling_projection.allreduce_ms(dataclasses.replace(ring, delay_ms=0),
-                                                    constants, 8, 64 << 10)
-    assert scaling_projection.allreduce_ms(ring, constants, 8, 64 << 10) == \
+                                                    constants, 64 << 10)
+    assert scaling_projection.allreduce_ms(ring, constants, 64 << 10) == \
         ("ring", pytest.approx(ring_plain + 2 * 7 * 2.0))  # 2(H-1) steps
     # A round adds two messages' delay for its negotiation on top.
     assert scaling_projection.round_ms(delayed, constants, 64 << 10, 3) == pytest.approx(

@@ -559,6 +559,39 @@ PYBIND11_MODULE(_core, m) {
       "needed.");
 
   m.def(
+      "hierarchical_cost",
+      [](int local_ranks, int hosts, double nbytes, double hop_latency_us, double link_gbit,
+         const std::string& algorithm, int slices) {
+        if (local_ranks < 1 || hosts < 1 || local_ranks * hosts < 2)
+          throw py::value_error("local_ranks and hosts must be at least 1, 2 ranks in all, not " +
+                                std::to_string(local_ranks) + " and " + std::to_string(hosts));
+        if (nbytes < 0 || hop_latency_us < 0 || link_gbit <= 0)
+          throw py::value_error("nbytes and hop_latency_us must be >= 0 and link_gbit > 0");
+        AllreducePolicy policy;
+        if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
+          throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
+        if (slices >= 0 && policy.algorithm == AllreduceAlgorithm::kAuto)
+          throw py::value_error("a plan given by its slices needs its algorithm across hosts");
+        policy.hop_latency_secs = hop_latency_us * 1e-6;
+        policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
+        const HierarchicalPlan plan =
+            slices >= 0 ? HierarchicalPlan{slices, policy.algorithm}
+                        : ChooseHierarchical(local_ranks, hosts, static_cast<size_t>(nbytes),
+                                             policy);
+        return py::make_tuple(
+            plan.slices, AllreduceAlgorithmName(plan.across),
+            ModelledHierarchicalSecs(local_ranks, hosts, nbytes, plan, policy));
+      },
+      py::arg("local_ranks"), py::arg("hosts"), py::arg("nbytes"), py::arg("hop_latency_us"),
+      py::arg("link_gbit"), py::arg("algorithm") = "auto", py::arg("slices") = -1,
+      "The hierarchical allreduce's cost model (TCP): (slices, the algorithm across hosts, "
+      "seconds). slices -1: the plan the runtime picks for `nbytes` over `local_ranks` ranks on "
+      "each of `hosts` hosts with that step latency and link rate (`algorithm`: the "
+      "PERSEUS_ALLREDUCE_ALGORITHM setting); slices 0 (the phases one after another) or more "
+      "(overlapped on that many slices), with `algorithm` across hosts: that plan's seconds. "
+      "No init needed.");
+
+  m.def(
       "_wire_decode",
       [](const std::string& which, const py::bytes& data) -> py::object {
         const std::string bytes = data;

@@ -124,6 +124,99 @@ bool TorusOverlapPays(int ranks, double bytes, int slices, const AllreducePolicy
   return more_latency < less_idle;
 }
 
+int PipelineSlices(size_t bytes) {
+  return static_cast<int>(std::min<size_t>(
+      kPipelineMaxSlices, std::max<size_t>(2, bytes / kPipelineSliceBytes)));
+}
+
+double ModelledHierarchicalSecs(int local, int hosts, double bytes, const HierarchicalPlan& plan,
+                                const AllreducePolicy& policy) {
+  AllreducePolicy shared = policy;
+  shared.link_bytes_per_sec = policy.link_bytes_per_sec / local;
+  const double l = local;
+  // A reduce-scatter or an allgather of `b` bytes among the host's ranks.
+  auto host_half = [&](double b) {
+    return local > 1 ? (l - 1) * kLocalHopSecs + (l - 1) / l * b / kLocalBytesPerSec : 0.0;
+  };
+  const bool overlapped = plan.slices > 0 && (plan.across == AllreduceAlgorithm::kRing ||
+                                               plan.across == AllreduceAlgorithm::kTorus);
+  if (!overlapped) {
+    return 2 * host_half(bytes) +
+           (hosts > 1 ? ModelledAllreduceSecs(plan.across, hosts, bytes / l, shared) : 0.0);
+  }
+  // The stages of TcpController::Pipelined: slice k's host reduce-scatter in stage k, its part
+  // across hosts in stage k + 1 (a ring), or k + 1 to k + 3 (the torus's row reduce-scatter,
+  // column allreduce, row allgather), its host allgather in stage k + depth.
+  int x = 1, y = hosts;
+  if (plan.across == AllreduceAlgorithm::kTorus) TorusShape(hosts, &x, &y);
+  const int slices = plan.slices, depth = x > 1 ? 4 : 2;
+  // Overlapped, the torus's lines keep their links busy: its bytes move at the ring's rate,
+  // as measured without delay; on a wide network at what its phases measured there.
+  const double byte_cost =
+      x > 1 && policy.hop_latency_secs >= kWideHopSecs ? kTorusWideByteCost : 1.0;
+  const double alpha = shared.hop_latency_secs, beta = byte_cost / shared.link_bytes_per_sec;
+  const double gamma = kReduceSecsPerByte;
+  const double slice = bytes / slices, segment = slice / l;
+  auto active = [&](int k) { return k >= 0 && k < slices; };
+  double total = 0.0;
+  for (int stage = 0; stage < slices + depth; ++stage) {
+    const double host = (active(stage) ? host_half(slice) : 0.0) +
+                        (active(stage - depth) ? host_half(slice) : 0.0);
+    double steps = 0.0, moved = 0.0, reduced = 0.0;  // across hosts: the longest lane's steps
+    if (x > 1) {
+      const double row = (x - 1.0) / x * segment;
+      if (active(stage - 1)) {
+        steps += x - 1;
+        moved += row;
+        reduced += row;
+      }
+      if (active(stage - 3)) {
+        steps += x - 1;
+        moved += row;
+      }
+      if (active(stage - 2)) {
+        const double part = segment / x, column = (y - 1.0) / y * part;
+        steps = std::max(steps, 2.0 * (y - 1));
+        moved += 2 * column;
+        reduced += column;
+      }
+    } else if (active(stage - 1)) {
+      const double ring = (hosts - 1.0) / hosts * segment;
+      steps = 2.0 * (hosts - 1);
+      moved = 2 * ring;
+      reduced = ring;
+    }
+    total += std::max(host, steps * alpha + moved * beta + reduced * gamma);
+  }
+  return total;
+}
+
+HierarchicalPlan ChooseHierarchical(int local, int hosts, size_t bytes,
+                                    const AllreducePolicy& policy) {
+  if (hosts < 2) return {};
+  const HierarchicalPlan in_turn{0, ChooseAllreduce(hosts, bytes / local, policy)};
+  if (bytes < kPipelineMinBytes) return in_turn;
+  const int slices = PipelineSlices(bytes);
+  const AllreduceAlgorithm sliced = ChooseAllreduce(hosts, bytes / slices / local, policy);
+  if (sliced == AllreduceAlgorithm::kRing || sliced == AllreduceAlgorithm::kTorus) {
+    return {slices, sliced};
+  }
+  if (policy.algorithm != AllreduceAlgorithm::kAuto) return in_turn;  // a set algorithm
+  // Each stage then waits for the torus's column ring, so fewer slices may pay.
+  const double b = static_cast<double>(bytes);
+  HierarchicalPlan best = in_turn;
+  double best_secs = ModelledHierarchicalSecs(local, hosts, b, in_turn, policy);
+  for (int fewer = 2; fewer <= kPipelineMaxSlices; fewer *= 2) {
+    const HierarchicalPlan overlapped{fewer, AllreduceAlgorithm::kTorus};
+    const double secs = ModelledHierarchicalSecs(local, hosts, b, overlapped, policy);
+    if (secs < best_secs) {
+      best = overlapped;
+      best_secs = secs;
+    }
+  }
+  return best;
+}
+
 AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolicy& policy) {
   if (policy.algorithm != AllreduceAlgorithm::kAuto) return policy.algorithm;
   AllreduceAlgorithm best = AllreduceAlgorithm::kRing;

@@ -81,6 +81,47 @@ double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double byt
 // byte cost over the ring's, which the overlap saves).
 bool TorusOverlapPays(int ranks, double bytes, int slices, const AllreducePolicy& policy);
 
+// A hierarchical allreduce over TCP from kPipelineMinBytes may overlap its phases on slices of
+// about kPipelineSliceBytes, at most kPipelineMaxSlices of them (TcpController::Pipelined); so
+// may the torus's rows and columns. Below it the phases take turns: the host's phases are
+// short, and each stage costs the latency of its slowest line.
+constexpr size_t kPipelineMinBytes = 4 << 20;
+constexpr size_t kPipelineSliceBytes = 2 << 20;
+constexpr int kPipelineMaxSlices = 16;
+// How many slices a pipelined allreduce cuts `bytes` into.
+int PipelineSlices(size_t bytes);
+
+// One host's links between its ranks (loopback or shared memory): a step's latency, and the
+// rate at which they reduce and copy slices between them (benchmarks/allreduce.py: 2 ranks of
+// one machine over MPI's shared memory, 64 MiB in 25 ms, reductions included).
+constexpr double kLocalHopSecs = 50e-6;
+constexpr double kLocalBytesPerSec = 2.7e9;
+
+// How a hierarchical allreduce over `local` ranks a host runs: its three phases one after
+// another (slices 0), the part across hosts by `across`; or overlapped on `slices` slices of
+// the tensor, the part across hosts a ring or a torus on each slice's segment.
+struct HierarchicalPlan {
+  int slices = 0;
+  AllreduceAlgorithm across = AllreduceAlgorithm::kRing;
+};
+
+// Seconds the model gives `plan` for `bytes` over `local` ranks a host on `hosts` hosts: the
+// host's phases at kLocalHopSecs and kLocalBytesPerSec; the part across hosts by the policy,
+// the host's link shared by its `local` ranks (each runs the part of its own segment at once).
+// Overlapped, each stage takes its slowest lane's time: the host's lane, or the lanes across
+// hosts, whose bytes share the link and whose steps wait for the longest of them.
+double ModelledHierarchicalSecs(int local, int hosts, double bytes, const HierarchicalPlan& plan,
+                                const AllreducePolicy& policy);
+
+// The plan the TCP transport runs for `bytes` (TcpController::HierarchicalAllreduce). From
+// kPipelineMinBytes the phases overlap where the policy's algorithm for a slice's segment is the
+// ring or the torus; where the cost model picks halving-doubling or recursive doubling for it (a
+// small segment across many hosts), they overlap on the torus, on 2, 4, 8 or 16 slices, where
+// the model puts that below the phases one after another (across hosts the model's choice for
+// the whole segment). Depends only on what every rank has alike.
+HierarchicalPlan ChooseHierarchical(int local, int hosts, size_t bytes,
+                                    const AllreducePolicy& policy);
+
 // The policy's algorithm, or under kAuto the cheapest by the model (ties go to the ring, then
 // halving-doubling, then the torus). Depends only on what every rank has alike.
 AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolicy& policy);

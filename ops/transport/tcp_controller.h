@@ -191,13 +191,13 @@ class TcpController : public Controller {
   // A ring's reduce-scatter, allgather or both over `group` as one lane (GroupRing).
   Lane RingLane(const Group& group, const void* in, void* out, int64_t count, DataType dtype,
                 ReduceOp op, bool reduce_scatter, bool allgather) const;
-  // An allreduce in three phases overlapped on slices of the tensor (tcp_ring.cc): a
+  // An allreduce in three phases overlapped on `slices` slices of the tensor (tcp_ring.cc): a
   // reduce-scatter over `inner`, an allreduce of this rank's segment over `outer` (a ring, or
   // with `torus` the torus's phases as stages of their own), an allgather over `inner`. The
   // hierarchical allreduce (inner: the host's ranks, outer: one rank a host) and a large torus
   // (inner: its row, outer: its column).
-  Status Pipelined(const Group& inner, const Group& outer, bool torus, const void* in, void* out,
-                   int64_t count, DataType dtype, ReduceOp op);
+  Status Pipelined(const Group& inner, const Group& outer, bool torus, int slices,
+                   const void* in, void* out, int64_t count, DataType dtype, ReduceOp op);
   // The torus's row (`along`) and column (`down`) through this rank, for rows of x.
   static void TorusLines(const Group& group, int x, Group* along, Group* down);
   // Queues `message` for `peer`'s control connection; ControlExchange sends it.

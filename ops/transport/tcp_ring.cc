@@ -20,19 +20,6 @@ namespace {
 
 constexpr size_t kReduceChunkBytes = 256 << 10;
 
-// Hierarchical allreduces from this size overlap their phases on slices of about
-// kPipelineSliceBytes, at most kPipelineMaxSlices of them (PipelinedHierarchical). Below it
-// the phases take turns: the host's phases are short, and each stage costs a ring's latency.
-constexpr size_t kPipelineMinBytes = 4 << 20;
-constexpr size_t kPipelineSliceBytes = 2 << 20;
-constexpr size_t kPipelineMaxSlices = 16;
-
-// How many slices PipelinedHierarchical cuts `bytes` into.
-int PipelineSlices(size_t bytes) {
-  return static_cast<int>(
-      std::min<size_t>(kPipelineMaxSlices, std::max<size_t>(2, bytes / kPipelineSliceBytes)));
-}
-
 }  // namespace
 
 Status TcpController::Streams(const std::vector<Lane>& lanes) {
@@ -290,9 +277,10 @@ Status TcpController::GroupTorus(const Group& group, const void* in, void* out, 
   TorusLines(group, x, &along, &down);
   const size_t item = DataTypeSize(dtype);
   const size_t bytes = static_cast<size_t>(count) * item;
+  const int slices = PipelineSlices(bytes);
   if (bytes >= kPipelineMinBytes &&
-      TorusOverlapPays(group.size(), static_cast<double>(bytes), PipelineSlices(bytes), policy_)) {
-    return Pipelined(along, down, false, in, out, count, dtype, op);
+      TorusOverlapPays(group.size(), static_cast<double>(bytes), slices, policy_)) {
+    return Pipelined(along, down, false, slices, in, out, count, dtype, op);
   }
   // After the reduce-scatter along the row, this rank's part (segment `column`) is in `out`.
   Status s = GroupRing(along, in, out, count, dtype, op, true, false);
@@ -357,22 +345,18 @@ TcpController::Lane TcpController::RingLane(const Group& group, const void* in, 
 Status TcpController::HierarchicalAllreduce(const void* in, void* out, int64_t count,
                                             DataType dtype, ReduceOp op, const char** how,
                                             AllreduceAlgorithm* across) {
-  // The pipeline's part across hosts is a ring or a torus on each slice's segment: it runs only
-  // where the cost model picks one of them for a segment of that size, else the phases take
-  // turns and the part across hosts runs the model's choice. The choice depends only on what
-  // every rank of the job has alike (the count, the dtype, the layout and the policy), so all of
-  // them take the same path.
+  // The plan depends only on what every rank of the job has alike (the count, the dtype, the
+  // layout and the policy), so all of them take the same path.
   const size_t bytes = static_cast<size_t>(count) * DataTypeSize(dtype);
-  const int64_t segment = count / PipelineSlices(bytes) / local_group_.size();
-  const AllreduceAlgorithm chosen = GroupAlgorithm(cross_group_, segment, dtype);
-  if (bytes < kPipelineMinBytes ||
-      (chosen != AllreduceAlgorithm::kRing && chosen != AllreduceAlgorithm::kTorus)) {
+  const HierarchicalPlan plan =
+      ChooseHierarchical(local_group_.size(), cross_group_.size(), bytes, policy_);
+  if (plan.slices == 0) {
     return Controller::HierarchicalAllreduce(in, out, count, dtype, op, how, across);
   }
   *how = kHierarchicalPipelined;
-  *across = chosen;
-  return Pipelined(local_group_, cross_group_, chosen == AllreduceAlgorithm::kTorus, in, out,
-                   count, dtype, op);
+  *across = plan.across;
+  return Pipelined(local_group_, cross_group_, plan.across == AllreduceAlgorithm::kTorus,
+                   plan.slices, in, out, count, dtype, op);
 }
 
 // The tensor is cut into slices that go through the phases one stage apart. With a ring over
@@ -387,13 +371,11 @@ Status TcpController::HierarchicalAllreduce(const void* in, void* out, int64_t c
 // others' phases (and TCP's window closed again on a connection idle for long). Every rank runs
 // the same stages; a connection carries each stage's bytes in the same order on both of its
 // ends, so a rank a stage ahead only waits.
-Status TcpController::Pipelined(const Group& inner, const Group& outer, bool torus,
+Status TcpController::Pipelined(const Group& inner, const Group& outer, bool torus, int slices,
                                 const void* in, void* out, int64_t count, DataType dtype,
                                 ReduceOp op) {
   if (!failed_.ok()) return failed_;
   const size_t item = DataTypeSize(dtype);
-  const size_t bytes = static_cast<size_t>(count) * item;
-  const int slices = PipelineSlices(bytes);
   const int local_size = inner.size(), me = inner.me;
   int x = 1, y = outer.size();
   if (torus) TorusShape(outer.size(), &x, &y);

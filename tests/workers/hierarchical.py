@@ -7,7 +7,11 @@ Usage: hierarchical.py EXPECT [TIMELINE]
   EXPECT: "hierarchical" (every allreduce of the global set runs hierarchically),
   "hierarchical-quick" (the same with fewer dtypes and large tensors, for launches of many
   ranks), "torus" (hierarchically, with PERSEUS_ALLREDUCE_ALGORITHM=torus across 4 or more
-  hosts: every part across hosts counted as the torus), or "flat" (none does: fewer checks);
+  hosts: every part across hosts counted as the torus), "planned" (hierarchically, the
+  tensors from 4 MiB only, each by the plan _core.hierarchical_cost gives for the run's
+  PERSEUS_ALLREDUCE_HOP_LATENCY_US and _LINK_GBIT, which must overlap the phases on the torus
+  where a default slice's segment alone would take another algorithm), or
+  "flat" (none does: fewer checks);
   TIMELINE: a path prefix for this run's timeline files.
 "mismatch" instead of EXPECT: rank 1 sets PERSEUS_HIERARCHICAL_ALLREDUCE=0, the others 1, and
 every rank must fail init() saying so; "bad-value": the setting is "yes", which init() refuses.
@@ -88,13 +92,17 @@ def check_large_and_scaled(rank: int, size: int, quick: bool) -> None:
         fail(rank, "h.inplace: ranks ended with different bits")
 
 
+# dtype, op, prescale, postscale, count, in place: from 4 MiB, odd counts (uneven slices and
+# segments).
+PIPELINED_CASES = [("float64", MAX, 1.0, 1.0, (1 << 19) + 5, True),
+                   ("float32", AVERAGE, 0.5, 3.0, (9 << 18) + 13, False),
+                   ("int32", SUM, 1.0, 1.0, (3 << 20) + 1, False)]
+
+
 def check_pipelined(rank: int, size: int, quick: bool) -> int:
     """Tensors from 4 MiB, whose phases overlap on slices over TCP: odd counts, so that slices
     and segments are uneven. Returns how many ran."""
-    cases = [("float64", MAX, 1.0, 1.0, (1 << 19) + 5, True),
-             ("float32", AVERAGE, 0.5, 3.0, (9 << 18) + 13, False),
-             ("int32", SUM, 1.0, 1.0, (3 << 20) + 1, False)]
-    cases = cases[:1] if quick else cases
+    cases = PIPELINED_CASES[:1] if quick else PIPELINED_CASES
     for i, (dtype, op, pre, post, count, in_place) in enumerate(cases):
         name = f"h.pipelined.{i}"
         data = [rank_data(r, (count,), dtype, seed=100 + i) for r in range(size)]
@@ -108,6 +116,32 @@ def check_pipelined(rank: int, size: int, quick: bool) -> int:
         if not all(np.array_equal(row, got) for row in everyone):
             fail(rank, f"{name}: ranks ended with different values")
     return len(cases)
+
+
+def check_planned(rank: int, size: int, algorithms_before: dict) -> None:
+    """The pipelined cases, each overlapped on the torus across hosts (on as many slices as the
+    default of 2 MiB ones or fewer) where a default slice's segment alone would take another
+    algorithm: the plan of the cost model (_core.hierarchical_cost) for the run's policy."""
+    hop_us = float(os.environ["PERSEUS_ALLREDUCE_HOP_LATENCY_US"])
+    gbit = float(os.environ["PERSEUS_ALLREDUCE_LINK_GBIT"])
+    local, hosts = _core.local_size(), _core.cross_size()
+    for dtype, _, _, _, count, _ in PIPELINED_CASES:
+        nbytes = count * np.dtype(dtype).itemsize
+        slices, across, _ = _core.hierarchical_cost(local, hosts, nbytes, hop_us, gbit)
+        default = min(16, max(2, nbytes // (2 << 20)))
+        alone, _ = _core.allreduce_cost(hosts, nbytes // default // local, hop_us, gbit)
+        if not (0 < slices <= default and across == "torus"
+                and alone not in ("ring", "torus")):
+            fail(rank, f"{nbytes} bytes: the plan is {slices} slices, {across} across hosts "
+                       f"({alone} for a default slice's segment); the test wants the torus on "
+                       f"at most {default} slices where a default slice alone takes another")
+    check_pipelined(rank, size, quick=False)
+    algorithms = dict(_core.runtime_stats()["allreduce_algorithms"])
+    ran_as = {name: count - algorithms_before[name] for name, count in algorithms.items()
+              if count != algorithms_before[name]}
+    if ran_as != {"torus": len(PIPELINED_CASES)}:
+        fail(rank, f"the parts across hosts ran {ran_as}, expected the torus for each tensor")
+    print(f"[rank {rank}] planned: {len(PIPELINED_CASES)} overlapped on the torus", flush=True)
 
 
 # Bytes of each rank's segment (its 1 / local_size of the tensor) that the part across hosts
@@ -241,6 +275,9 @@ def main() -> None:
     elif expect == "torus":
         check_every_op_and_dtype(rank, size, quick=True)
         pipelined_cases = check_pipelined(rank, size, quick=False)
+    elif expect == "planned":
+        check_planned(rank, size, algorithms_before)
+        pipelined_cases = len(PIPELINED_CASES)
     check_fused(rank, size)
     in_set = check_process_set(rank, size)
     after = counters()
