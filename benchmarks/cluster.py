@@ -3,6 +3,7 @@ against mpi4py's Allreduce and TensorFlow's MultiWorkerMirroredStrategy measured
 
     python benchmarks/cluster.py [--layouts 2x1,4x1,2x2] [--link-rates 1gbit,10gbit]
                                  [--rows op_mpi,op_tcp,mpi4py,mwms] [--link-delays 0,1,2]
+                                 [--link-queue MS]
                                  (as root)
 
 For each layout HOSTSxSLOTS and link rate it launches `perseusrun --emulate-hosts HOSTS:SLOTS
@@ -78,6 +79,7 @@ def launch(hosts: int, slots: int, link_rate: str, controller: str,
     perseusrun = os.path.join(os.path.dirname(sys.executable), "perseusrun")
     cmd = [perseusrun, "--emulate-hosts", f"{hosts}:{slots}", "--link-rate", link_rate,
            *(["--link-delay", f"{delay_ms:g}"] if delay_ms else []),
+           *(["--link-queue", f"{args.link_queue:g}"] if args.link_queue else []),
            *(["--tcp"] if controller == "tcp" else []), "--timeout", str(args.timeout),
            sys.executable, os.path.abspath(__file__), "--worker", controller,
            "--rows", ",".join(args.rows), "--sizes", ",".join(map(str, args.sizes)),
@@ -162,6 +164,9 @@ def main() -> None:
                         default=SIZES, help="comma-separated byte counts")
     parser.add_argument("--link-delays", type=lambda text: [float(x) for x in text.split(",")],
                         default=[0.0], help="comma-separated one-way delays per link, ms")
+    parser.add_argument("--link-queue", type=float, metavar="MS",
+                        help="ms of traffic a link holds before it drops (perseusrun's "
+                             "--link-queue; default 10)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--budget", type=float, default=2.0, help="seconds per size and launch")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per launch")
