@@ -57,6 +57,13 @@ def counters() -> tuple:
             stats["pipelined_hierarchical_allreduces"])
 
 
+def algorithms_since(before: dict) -> dict:
+    """{algorithm: allreduces counted} since runtime_stats()["allreduce_algorithms"] was
+    `before`."""
+    now = _core.runtime_stats()["allreduce_algorithms"]
+    return {name: count - before[name] for name, count in now.items() if count != before[name]}
+
+
 def check_every_op_and_dtype(rank: int, size: int, quick: bool) -> None:
     for dtype in (["float32", "int32"] if quick else NUMERIC):
         for op_name, op in OPS.items():
@@ -136,9 +143,7 @@ def check_planned(rank: int, size: int, algorithms_before: dict) -> None:
                        f"({alone} for a default slice's segment); the test wants the torus on "
                        f"at most {default} slices where a default slice alone takes another")
     check_pipelined(rank, size, quick=False)
-    algorithms = dict(_core.runtime_stats()["allreduce_algorithms"])
-    ran_as = {name: count - algorithms_before[name] for name, count in algorithms.items()
-              if count != algorithms_before[name]}
+    ran_as = algorithms_since(algorithms_before)
     if ran_as != {"torus": len(PIPELINED_CASES)}:
         fail(rank, f"the parts across hosts ran {ran_as}, expected the torus for each tensor")
     print(f"[rank {rank}] planned: {len(PIPELINED_CASES)} overlapped on the torus", flush=True)
@@ -284,9 +289,7 @@ def main() -> None:
     ran, hierarchical, pipelined = (a - b for a, b in zip(after, before))
     global_set = ran - in_set
     if expect == "torus":
-        algorithms = dict(_core.runtime_stats()["allreduce_algorithms"])
-        ran_as = {name: count - algorithms_before[name] for name, count in algorithms.items()
-                  if count != algorithms_before[name]}
+        ran_as = algorithms_since(algorithms_before)
         if set(ran_as) != {"torus"}:
             fail(rank, f"the parts across hosts and the set's flat allreduce ran {ran_as}, "
                        "expected only the torus")
