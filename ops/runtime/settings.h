@@ -58,7 +58,8 @@ struct Settings {
   // (1 / beta).
   AllreducePolicy allreduce;
   // PERSEUS_ALLREDUCE_HOP_LATENCY_US=auto: the step latency is measured once at init (rank 0
-  // times a few barriers; every rank takes half of its median) instead of read.
+  // times a few barriers; every rank takes their median over the messages a barrier waits for
+  // one after another, Controller::BarrierMessages) instead of read.
   bool measure_hop_latency = false;
   // PERSEUS_AUTOTUNE (0 or 1): rank 0 searches the fusion threshold, the cycle time and the
   // cost model's step latency during the first cycles (runtime/autotune.h); the other ranks
