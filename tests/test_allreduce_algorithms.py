@@ -121,6 +121,34 @@ def test_the_core_exposes_the_cost_model_the_runtime_picks_by():
 
 LOCAL_HOP_SECS = 50e-6  # between two ranks of a host
 LOCAL_BYTES_PER_SEC = 2.7e9
+OWN_COLLECTIVE_MIN_BYTES = 256 << 10
+
+
+def own_collective_bytes(ranks: int, hop_us: float, gbit: float, algorithm: str) -> int:
+    """A tensor of a fused response runs alone from where copying it in and out of the fusion
+    buffer at LOCAL_BYTES_PER_SEC costs more than the start-up of one more allreduce (the
+    model's allreduce of no bytes), and from 256 KiB at least."""
+    costs = modelled_costs(ranks, 0, hop_us, gbit)
+    chosen = modelled_choice(ranks, 0, hop_us, gbit) if algorithm == "auto" else algorithm
+    return max(OWN_COLLECTIVE_MIN_BYTES, int(costs[chosen] * LOCAL_BYTES_PER_SEC / 2))
+
+
+def test_the_size_from_which_a_fused_responses_tensor_runs_alone_follows_the_start_up():
+    from perseus_legacy import _core
+
+    for ranks in (2, 3, 6, 8, 16, 512):
+        for hop_us in (5.0, 50.0, 1000.0, 9700.0):
+            for algorithm in ("auto", "ring", "halving_doubling", "torus"):
+                got = _core.own_collective_bytes(ranks, hop_us, 1.0, algorithm)
+                want = own_collective_bytes(ranks, hop_us, 1.0, algorithm)
+                assert got == pytest.approx(want, abs=1), (ranks, hop_us, algorithm)
+    # A fast network keeps large tensors alone; a wide one fuses tens of MiB.
+    assert _core.own_collective_bytes(2, 50.0, 1.0) == OWN_COLLECTIVE_MIN_BYTES
+    assert _core.own_collective_bytes(16, 9700.0, 0.25) > 32 << 20
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        _core.own_collective_bytes(4, 50.0, 1.0, "tree")
+
+
 PIPELINE_MIN_BYTES = 4 << 20
 
 

@@ -16,6 +16,7 @@ import pytest
 from harness import CONTROLLERS, ROOT, launch_env, run_ranks
 
 FUSION_TENSORS = 20  # tests/workers/observe_counters.py
+LARGE_TENSORS, LARGE_BYTES = 4, 320_000
 CACHED_NAMES, CACHED_STEPS, CACHE_CAPACITY = 3, 10, 3
 CARRIED_SMALL, CARRIED_STEPS = 6, 4  # observe_counters.py: small allreduces, one big, a step
 TIMELINE_NAMES = ["tl.a", "tl.b", "tl.c", "tl.gather", "tl.bcast"]  # observe_timeline.py
@@ -47,6 +48,22 @@ def test_fusion_threshold_zero_runs_one_collective_per_tensor():
         d = deltas(out, rank, "fusion")
         assert d["collectives_executed.allreduce"] == FUSION_TENSORS, d
         assert d["fused_groups"] == 0 and d["tensors_fused"] == 0, d
+
+
+# 2 ranks: one step of 2 ms copies 2.7 MB in and out at the runtime's 2.7 GB/s, more than the
+# 4 tensors; 50 us (the default) copies less than one of them, and each runs alone.
+@pytest.mark.parametrize("controller", CONTROLLERS)
+@pytest.mark.parametrize("hop_us, collectives", [("50", LARGE_TENSORS), ("2000", 1)])
+def test_large_tensors_run_alone_unless_a_collective_starts_slower_than_they_copy(
+        controller, hop_us, collectives):
+    out = run_ranks(2, "tests/workers/observe_counters.py", "large", timeout=120,
+                    env={"PERSEUS_ALLREDUCE_HOP_LATENCY_US": hop_us},
+                    controller=controller).stdout
+    for rank in range(2):
+        d = deltas(out, rank, "large")
+        assert d["bytes_submitted.allreduce"] == LARGE_TENSORS * LARGE_BYTES, d
+        assert d["collectives_executed.allreduce"] == collectives, d
+        assert d["tensors_fused"] == (LARGE_TENSORS if collectives == 1 else 0), d
 
 
 @pytest.mark.parametrize("controller", CONTROLLERS)

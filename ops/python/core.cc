@@ -559,6 +559,26 @@ PYBIND11_MODULE(_core, m) {
       "needed.");
 
   m.def(
+      "own_collective_bytes",
+      [](int ranks, double hop_latency_us, double link_gbit, const std::string& algorithm) {
+        if (ranks < 1) throw py::value_error("ranks must be at least 1, not " +
+                                             std::to_string(ranks));
+        if (hop_latency_us < 0 || link_gbit <= 0)
+          throw py::value_error("hop_latency_us must be >= 0 and link_gbit > 0");
+        AllreducePolicy policy;
+        if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
+          throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
+        policy.hop_latency_secs = hop_latency_us * 1e-6;
+        policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
+        return OwnCollectiveBytes(ranks, policy);
+      },
+      py::arg("ranks"), py::arg("hop_latency_us"), py::arg("link_gbit"),
+      py::arg("algorithm") = "auto",
+      "The size from which a tensor negotiated together with others runs as an allreduce of its "
+      "own instead of through the fusion buffer, over `ranks` ranks with that step latency, "
+      "link rate and PERSEUS_ALLREDUCE_ALGORITHM. No init needed.");
+
+  m.def(
       "hierarchical_cost",
       [](int local_ranks, int hosts, double nbytes, double hop_latency_us, double link_gbit,
          const std::string& algorithm, int slices) {

@@ -26,11 +26,12 @@ void ResponseFuser::Add(Response response, int64_t bytes) {
   open_[std::move(key)] = {out_->size() - 1, bytes};
 }
 
-std::vector<std::vector<size_t>> FusionGroups(const std::vector<int64_t>& tensor_bytes) {
+std::vector<std::vector<size_t>> FusionGroups(const std::vector<int64_t>& tensor_bytes,
+                                              int64_t own_bytes) {
   std::vector<std::vector<size_t>> groups;
   std::vector<size_t> small;
   for (size_t i = 0; i < tensor_bytes.size(); ++i) {
-    if (tensor_bytes[i] >= kOwnCollectiveBytes) {
+    if (tensor_bytes[i] >= own_bytes) {
       groups.push_back({i});
     } else {
       small.push_back(i);

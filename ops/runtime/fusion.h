@@ -35,15 +35,13 @@ class ResponseFuser {
   std::map<Key, std::pair<size_t, int64_t>> open_;
 };
 
-// An allreduce tensor at least this large runs as a collective of its own, where it lies, even
-// when negotiated together with others: staging it through the fusion buffer would copy it in
-// and out, which costs more than one more collective's start-up.
-constexpr int64_t kOwnCollectiveBytes = int64_t{256} << 10;
-
 // How one allreduce response runs, given the size of each of its tensors: one group (a list of
-// tensor indices) for each large tensor, in order, then one for the small ones together. Every
-// rank, a joined one too, splits the same way.
-std::vector<std::vector<size_t>> FusionGroups(const std::vector<int64_t>& tensor_bytes);
+// tensor indices) for each tensor of at least `own_bytes`, in order, reduced where it lies
+// (staging it through the fusion buffer would copy it in and out: OwnCollectiveBytes in
+// transport/allreduce_algorithms.h), then one for the others together. Every rank, a joined one
+// too, splits the same way.
+std::vector<std::vector<size_t>> FusionGroups(const std::vector<int64_t>& tensor_bytes,
+                                              int64_t own_bytes);
 
 // One reusable scratch buffer for fused allreduces (and for taking part in a collective whose
 // output could not be allocated). Allocated on first use, grown when a larger one is needed.

@@ -114,7 +114,7 @@ Status ResponseExecutor::Allreduce(const Response& response,
   std::vector<int64_t> tensor_bytes(n);
   for (size_t i = 0; i < n; ++i) tensor_bytes[i] = count_of(i) * static_cast<int64_t>(item);
 
-  for (const std::vector<size_t>& group : FusionGroups(tensor_bytes)) {
+  for (const std::vector<size_t>& group : FusionGroups(tensor_bytes, own_bytes_)) {
     int64_t total = 0;
     for (size_t i : group) total += count_of(i);
     if (total == 0) continue;

@@ -27,12 +27,15 @@ void CompleteOnSingleRank(const CollectiveRequest& request);
 
 class ResponseExecutor {
  public:
-  // `carried`: an allreduce's result that its cache round carried (response_cache.h), copied
-  // out instead of a collective on the transport.
-  ResponseExecutor(Controller* controller, Hierarchical hierarchical, FusionBuffer* fusion,
-                   RuntimeStats* stats, Timeline* timeline, const std::string* carried = nullptr)
+  // `own_bytes`: the size from which an allreduce's tensor runs as a collective of its own
+  // (FusionGroups). `carried`: an allreduce's result that its cache round carried
+  // (response_cache.h), copied out instead of a collective on the transport.
+  ResponseExecutor(Controller* controller, Hierarchical hierarchical, int64_t own_bytes,
+                   FusionBuffer* fusion, RuntimeStats* stats, Timeline* timeline,
+                   const std::string* carried = nullptr)
       : controller_(*controller),
         hierarchical_(hierarchical),
+        own_bytes_(own_bytes),
         fusion_(*fusion),
         stats_(*stats),
         timeline_(*timeline),
@@ -69,6 +72,7 @@ class ResponseExecutor {
 
   Controller& controller_;
   Hierarchical hierarchical_;
+  int64_t own_bytes_;
   FusionBuffer& fusion_;
   RuntimeStats& stats_;
   Timeline& timeline_;

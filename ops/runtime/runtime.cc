@@ -35,6 +35,7 @@
 #include "runtime/stats.h"
 #include "runtime/tensor_queue.h"
 #include "runtime/timeline.h"
+#include "transport/allreduce_algorithms.h"
 #include "transport/controller.h"
 #include "transport/registry.h"
 
@@ -59,8 +60,9 @@ std::vector<std::pair<std::string, std::string>> SettingsThatMustAgree(const Set
           {"PERSEUS_HIERARCHICAL_ALLREDUCE", HierarchicalName(settings.hierarchical)},
           {"PERSEUS_ALLREDUCE_ALGORITHM", AllreduceAlgorithmName(settings.allreduce.algorithm)},
           {"PERSEUS_ALLREDUCE_HOP_LATENCY_US",
-           settings.measure_hop_latency ? std::string("auto")
-                                        : std::to_string(settings.allreduce.hop_latency_secs * 1e6)},
+           settings.measure_hop_latency
+               ? std::string("auto")
+               : std::to_string(settings.allreduce.hop_latency_secs * 1e6)},
           {"PERSEUS_ALLREDUCE_LINK_GBIT",
            std::to_string(settings.allreduce.link_bytes_per_sec * 8 / 1e9)}};
 }
@@ -967,7 +969,9 @@ bool Runtime::Execute(const Response& response, bool from_cache, const std::stri
   }
   Status op;
   const Status comm =
-      ResponseExecutor(controller, settings_.hierarchical, &fusion_, &stats_, &timeline_, carried)
+      ResponseExecutor(controller, settings_.hierarchical,
+                       OwnCollectiveBytes(controller->size(), settings_.allreduce), &fusion_,
+                       &stats_, &timeline_, carried)
           .Run(response, entries, &op);
   if (CommunicationFailed(comm, "")) return false;
   if (!from_cache && response.joined_ranks.empty() && response.process_set_id == 0) {

@@ -217,6 +217,15 @@ HierarchicalPlan ChooseHierarchical(int local, int hosts, size_t bytes,
   return best;
 }
 
+int64_t OwnCollectiveBytes(int ranks, const AllreducePolicy& policy) {
+  if (ranks < 2) return kOwnCollectiveMinBytes;
+  const double start_up =
+      ModelledAllreduceSecs(ChooseAllreduce(ranks, 0, policy), ranks, 0.0, policy);
+  const double copied = start_up * kLocalBytesPerSec / 2;  // copied in and out in that time
+  constexpr double kMost = static_cast<double>(int64_t{1} << 62);
+  return std::max(kOwnCollectiveMinBytes, static_cast<int64_t>(std::min(copied, kMost)));
+}
+
 AllreduceAlgorithm ChooseAllreduce(int ranks, size_t bytes, const AllreducePolicy& policy) {
   if (policy.algorithm != AllreduceAlgorithm::kAuto) return policy.algorithm;
   AllreduceAlgorithm best = AllreduceAlgorithm::kRing;

@@ -97,6 +97,16 @@ int PipelineSlices(size_t bytes);
 constexpr double kLocalHopSecs = 50e-6;
 constexpr double kLocalBytesPerSec = 2.7e9;
 
+// A tensor negotiated together with others runs as an allreduce of its own, where it lies, from
+// the size at which copying it into the fusion buffer and out (twice its bytes at
+// kLocalBytesPerSec) costs more than one more allreduce's start-up: the model's allreduce of no
+// bytes over `ranks` ranks by the policy's algorithm (the cheapest under kAuto). Never below
+// kOwnCollectiveMinBytes, the break-even on a fast network's few steps (50 us each); a wide
+// network's start-up (1 ms or more a step) leaves every tensor of a response to the fusion
+// buffer. Depends only on what every rank has alike (runtime/fusion.h, FusionGroups).
+constexpr int64_t kOwnCollectiveMinBytes = int64_t{256} << 10;
+int64_t OwnCollectiveBytes(int ranks, const AllreducePolicy& policy);
+
 // How a hierarchical allreduce over `local` ranks a host runs: its three phases one after
 // another (slices 0), the part across hosts by `across`; or overlapped on `slices` slices of
 // the tensor, the part across hosts a ring or a torus on each slice's segment.

@@ -1,6 +1,8 @@
 """Fusion and the response cache, observed through perseus_legacy.runtime_stats().
 
 `fusion`: 20 small allreduces submitted together; prints how many collectives ran for them.
+`large`: 4 allreduces of 312.5 KiB each submitted together; prints how many collectives ran for
+them (each alone on a fast network, fused where a collective's start-up costs more than copying).
 `cache` (run with PERSEUS_CACHE_CAPACITY=3): a warm-up step, then repeated identical steps;
 then two new names (evictions); then a cached name whose shape changes on the last rank after
 warm-up (the coordinator's error).
@@ -23,6 +25,7 @@ from perseus_legacy import _core
 
 AVERAGE, SUM, MIN, MAX, PRODUCT = range(5)
 FUSION_TENSORS = 20
+LARGE_TENSORS, LARGE_ELEMENTS = 4, 40_000  # float64: 320,000 bytes each
 CACHED_NAMES = 3
 CACHED_STEPS = 10
 CARRIED_STEPS = 4
@@ -74,6 +77,12 @@ def step(rank: int, size: int, names: list, seed: int, shape=(4,)) -> None:
 def fusion(rank: int, size: int) -> None:
     with Phase(rank, "fusion"):
         step(rank, size, [f"fuse.{i}" for i in range(FUSION_TENSORS)], seed=1)
+
+
+def large(rank: int, size: int) -> None:
+    with Phase(rank, "large"):
+        step(rank, size, [f"large.{i}" for i in range(LARGE_TENSORS)], seed=5,
+             shape=(LARGE_ELEMENTS,))
 
 
 def cache(rank: int, size: int) -> None:
@@ -132,7 +141,7 @@ def carried(rank: int, size: int) -> None:
 def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    {"fusion": fusion, "cache": cache, "carried": carried}[sys.argv[1]](rank, size)
+    {"fusion": fusion, "large": large, "cache": cache, "carried": carried}[sys.argv[1]](rank, size)
     print(f"[rank {rank}] observe {sys.argv[1]} OK", flush=True)
     hvd.shutdown()
 
