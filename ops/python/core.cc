@@ -370,6 +370,19 @@ py::array AllreduceThenShutdownInCallback(const py::object& value, const std::st
   return output;
 }
 
+// The cost model's policy for the bindings below: `algorithm` a PERSEUS_ALLREDUCE_ALGORITHM name,
+// a step latency of at least 0 and a link rate above 0, or a ValueError.
+AllreducePolicy PolicyOf(double hop_latency_us, double link_gbit, const std::string& algorithm) {
+  if (hop_latency_us < 0 || link_gbit <= 0)
+    throw py::value_error("hop_latency_us must be >= 0 and link_gbit > 0");
+  AllreducePolicy policy;
+  if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
+    throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
+  policy.hop_latency_secs = hop_latency_us * 1e-6;
+  policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
+  return policy;
+}
+
 }  // namespace
 }  // namespace perseus
 
@@ -539,13 +552,8 @@ PYBIND11_MODULE(_core, m) {
          const std::string& algorithm) {
         if (ranks < 2) throw py::value_error("ranks must be at least 2, not " +
                                              std::to_string(ranks));
-        if (nbytes < 0 || hop_latency_us < 0 || link_gbit <= 0)
-          throw py::value_error("nbytes and hop_latency_us must be >= 0 and link_gbit > 0");
-        AllreducePolicy policy;
-        if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
-          throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
-        policy.hop_latency_secs = hop_latency_us * 1e-6;
-        policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
+        if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+        const AllreducePolicy policy = PolicyOf(hop_latency_us, link_gbit, algorithm);
         const AllreduceAlgorithm chosen =
             ChooseAllreduce(ranks, static_cast<size_t>(nbytes), policy);
         return py::make_tuple(AllreduceAlgorithmName(chosen),
@@ -563,14 +571,7 @@ PYBIND11_MODULE(_core, m) {
       [](int ranks, double hop_latency_us, double link_gbit, const std::string& algorithm) {
         if (ranks < 1) throw py::value_error("ranks must be at least 1, not " +
                                              std::to_string(ranks));
-        if (hop_latency_us < 0 || link_gbit <= 0)
-          throw py::value_error("hop_latency_us must be >= 0 and link_gbit > 0");
-        AllreducePolicy policy;
-        if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
-          throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
-        policy.hop_latency_secs = hop_latency_us * 1e-6;
-        policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
-        return OwnCollectiveBytes(ranks, policy);
+        return OwnCollectiveBytes(ranks, PolicyOf(hop_latency_us, link_gbit, algorithm));
       },
       py::arg("ranks"), py::arg("hop_latency_us"), py::arg("link_gbit"),
       py::arg("algorithm") = "auto",
@@ -585,15 +586,10 @@ PYBIND11_MODULE(_core, m) {
         if (local_ranks < 1 || hosts < 1 || local_ranks * hosts < 2)
           throw py::value_error("local_ranks and hosts must be at least 1, 2 ranks in all, not " +
                                 std::to_string(local_ranks) + " and " + std::to_string(hosts));
-        if (nbytes < 0 || hop_latency_us < 0 || link_gbit <= 0)
-          throw py::value_error("nbytes and hop_latency_us must be >= 0 and link_gbit > 0");
-        AllreducePolicy policy;
-        if (!ParseAllreduceAlgorithm(algorithm, &policy.algorithm))
-          throw py::value_error("unknown allreduce algorithm \"" + algorithm + "\"");
+        if (nbytes < 0) throw py::value_error("nbytes must be >= 0");
+        const AllreducePolicy policy = PolicyOf(hop_latency_us, link_gbit, algorithm);
         if (slices >= 0 && policy.algorithm == AllreduceAlgorithm::kAuto)
           throw py::value_error("a plan given by its slices needs its algorithm across hosts");
-        policy.hop_latency_secs = hop_latency_us * 1e-6;
-        policy.link_bytes_per_sec = link_gbit * 1e9 / 8;
         const HierarchicalPlan plan =
             slices >= 0 ? HierarchicalPlan{slices, policy.algorithm}
                         : ChooseHierarchical(local_ranks, hosts, static_cast<size_t>(nbytes),
