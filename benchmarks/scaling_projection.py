@@ -9,7 +9,8 @@ The step (bench_common/scaling_model.py's profile of the model):
 - forward, then backward layer by layer; each gradient exists when its layer's backward ends;
 - the runtime's background thread runs rounds one after another: a round starts once the
   previous collective has ended and a gradient is ready, and takes every gradient ready by then
-  (fused: the whole step fits the 64 MiB threshold);
+  (fused: the whole step fits the 64 MiB threshold; the runtime's tensors that run alone, from
+  256 KiB on a fast network, are left out, and on a wide one there are none of them);
 - a round negotiates (a gather to rank 0 and its answer: two messages between hosts, `hop_ms`
   each, plus `tensor_us` per tensor: benchmarks/allreduce.py's 100 x 16 KiB row against one
   fused tensor), then allreduces the fused bytes:
