@@ -263,9 +263,11 @@ def cluster_of(row: dict, link_bytes_s: float, byte_scale: float) -> Cluster:
 
 def one_host_extra(rows: list, row: dict, profile) -> float | None:
     """What the same system's one-host step of the same run measured beyond the compute (the
-    one-host row with the same delay setting, else any of the system's one-host rows)."""
-    ones = [r for r in rows if (r["model"], r["system"], r["hosts"], r["ranks_per_host"])
-            == (row["model"], row["system"], 1, 1)]
+    one-host row with the same delay setting, else any of the system's one-host rows; always
+    one whose compute was scaled as this row's was: --dilate)."""
+    ones = [r for r in rows if (r["model"], r["system"], r["hosts"], r["ranks_per_host"],
+                                r.get("step_scale", 1.0))
+            == (row["model"], row["system"], 1, 1, row.get("step_scale", 1.0))]
     same = [r for r in ones if r.get("link_delay_ms") == row.get("link_delay_ms")]
     for one in same or ones:
         return measured_step_ms(one, profile) - profile.forward_ms - profile.backward_ms

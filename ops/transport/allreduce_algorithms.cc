@@ -95,8 +95,17 @@ double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double byt
   // combination.
   const double fold = p == ranks ? 0.0 : 2 * alpha + 2 * bytes * beta + bytes * gamma;
   switch (algorithm) {
-    case AllreduceAlgorithm::kRing:
-      return 2 * (n - 1) * alpha + 2 * (n - 1) / n * bytes * beta + (n - 1) / n * bytes * gamma;
+    case AllreduceAlgorithm::kRing: {
+      // n - 1 reduce-scatter steps, then n - 1 allgather steps, each after the previous one's
+      // first piece (allreduce_algorithms.h); the last one ends its segment's bytes and a trip
+      // after it starts.
+      const double segment = bytes / n;
+      auto step = [&](double piece) {
+        return std::max(segment * beta, alpha + std::min(segment, piece) * beta);
+      };
+      return (n - 1) * step(kRingReduceChunkBytes) + (n - 2) * step(kRingForwardBytes) +
+             alpha + segment * beta + (n - 1) / n * bytes * gamma;
+    }
     case AllreduceAlgorithm::kHalvingDoubling:
       return fold + 2 * steps * alpha +
              2.0 * (p - 1) / p * bytes * beta * kHalvingDoublingByteCost +

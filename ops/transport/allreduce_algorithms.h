@@ -4,7 +4,10 @@
 // The TCP engine (tcp_ring.cc) and MPI's point-to-point path (mpi_ring.cc) run the same
 // schedules.
 //
-// Ring: 2 (n - 1) steps, each moving 1 / n of the tensor (reduce-scatter, then allgather).
+// Ring: 2 (n - 1) steps, each moving 1 / n of the tensor (reduce-scatter, then allgather),
+// streamed: a step forwards a piece of its segment as soon as the previous step's piece has
+// arrived (and, in the reduce-scatter, been combined), so a step's latency overlaps the bytes
+// still in flight.
 // Halving-doubling: a reduce-scatter by recursive halving (step k exchanges half of what is
 // left with the rank whose position differs in bit k) and an allgather by recursive doubling,
 // 2 log2 n steps moving the same 2 (n - 1) / n of the tensor as a ring.
@@ -71,8 +74,18 @@ struct AllreducePolicy {
   double link_bytes_per_sec = 125e6;  // 1 / beta: the rate of one direction of a link
 };
 
+// The pieces a ring streams its steps in: the reduce-scatter combines what arrives a chunk at a
+// time and forwards a chunk once combined (the TCP engine's chunks; MPI's messages across hosts
+// are 63 KiB); the allgather forwards what has arrived, about kRingForwardBytes at once (a
+// socket read, an MPI message).
+constexpr size_t kRingReduceChunkBytes = 256 << 10;
+constexpr size_t kRingForwardBytes = 64 << 10;
+
 // Seconds the model gives `algorithm` (not kAuto / kTransport) for `bytes` over `ranks` ranks:
-// per step alpha + bytes_moved * beta, plus bytes_combined * gamma (kReduceSecsPerByte).
+// per step alpha + bytes_moved * beta, plus bytes_combined * gamma (kReduceSecsPerByte). The
+// ring's steps are streamed: each takes the longer of its segment's bytes and one piece's trip
+// (alpha + piece * beta), and the last one alpha + its segment's bytes, so that a ring of large
+// segments pays about one step's latency, not 2 (n - 1) of them.
 double ModelledAllreduceSecs(AllreduceAlgorithm algorithm, int ranks, double bytes,
                              const AllreducePolicy& policy);
 // Whether the torus's phases, overlapped on `slices` slices of `bytes`, cost less than one after

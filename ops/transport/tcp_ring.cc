@@ -16,11 +16,6 @@
 #include "transport/tcp_controller.h"
 
 namespace perseus {
-namespace {
-
-constexpr size_t kReduceChunkBytes = 256 << 10;
-
-}  // namespace
 
 Status TcpController::Streams(const std::vector<Lane>& lanes) {
   if (!failed_.ok()) return failed_;
@@ -43,7 +38,7 @@ Status TcpController::Streams(const std::vector<Lane>& lanes) {
                                 std::to_string(static_cast<int>(lanes[i].reduction.dtype))));
     }
     at[i].item = item;
-    at[i].chunk = std::max(item, kReduceChunkBytes / item * item);
+    at[i].chunk = std::max(item, kRingReduceChunkBytes / item * item);
     if (scratch_[i].size() < at[i].chunk) scratch_[i].resize(at[i].chunk);
   }
   const std::vector<int> control = ControlPeers();
