@@ -65,14 +65,15 @@ def test_a_torus_across_four_hosts_of_two_ranks_matches_numpy(controller, tmp_pa
 
 @needs_emulation
 def test_phases_overlap_on_the_torus_where_a_slice_alone_takes_another_algorithm(tmp_path):
-    """Over TCP, 4 hosts of 2 ranks, a step latency of 0.7 ms and 5 Gbit/s links: a default
+    """Over TCP, 4 hosts of 2 ranks, a step latency of 0.4 ms and 80 Gbit/s links: a default
     slice's segment would take recursive doubling across the hosts, which the pipeline cannot
     run; the cost model overlaps the phases on the torus instead, on 2 slices where the default
-    cuts 2, 4 and 6 (docs/design.md). Tensors of 4-12 MiB equal to numpy and alike on every
+    cuts 2, 4 and 6 (docs/design.md): less than the phases in turn with a streamed ring across
+    the hosts. Tensors of 4-12 MiB equal to numpy and alike on every
     rank, each counted pipelined and its part across hosts the torus."""
     out = run_emulated(["--emulate-hosts", "4:2", "--tcp"], WORKER, "planned", timeout=240,
-                       env={"PERSEUS_ALLREDUCE_HOP_LATENCY_US": "700",
-                            "PERSEUS_ALLREDUCE_LINK_GBIT": "5"})
+                       env={"PERSEUS_ALLREDUCE_HOP_LATENCY_US": "400",
+                            "PERSEUS_ALLREDUCE_LINK_GBIT": "80"})
     assert_every_rank(out, 8, hierarchical=True)
     assert out.count("planned: 3 overlapped on the torus") == 8, out
 
