@@ -69,8 +69,8 @@ def test_phases_overlap_on_the_torus_where_a_slice_alone_takes_another_algorithm
     slice's segment would take recursive doubling across the hosts, which the pipeline cannot
     run; the cost model overlaps the phases on the torus instead, on 2 slices where the default
     cuts 2, 4 and 6 (docs/design.md): less than the phases in turn with a streamed ring across
-    the hosts. Tensors of 4-12 MiB equal to numpy and alike on every
-    rank, each counted pipelined and its part across hosts the torus."""
+    the hosts. Tensors of 4-12 MiB equal to numpy and alike on every rank, each counted
+    pipelined and its part across hosts the torus."""
     out = run_emulated(["--emulate-hosts", "4:2", "--tcp"], WORKER, "planned", timeout=240,
                        env={"PERSEUS_ALLREDUCE_HOP_LATENCY_US": "400",
                             "PERSEUS_ALLREDUCE_LINK_GBIT": "80"})
