@@ -19,9 +19,11 @@ INTER_OP_THREADS = 2  # async kernels never hold a thread; two keep the executor
 
 
 def session(graph: tf.Graph) -> tf.compat.v1.Session:
+    """A Session configured as the docs tell users to: through pl.session_config() (no spinning
+    thread pools on more than one rank)."""
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                       inter_op_parallelism_threads=INTER_OP_THREADS)
-    return tf.compat.v1.Session(graph=graph, config=config)
+    return tf.compat.v1.Session(graph=graph, config=pl.session_config(config))
 
 
 def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,

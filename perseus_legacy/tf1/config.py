@@ -13,18 +13,26 @@ from perseus_legacy.common import basics
 from perseus_legacy.tf1 import survivor
 
 
-def session_config(config: tf.compat.v1.ConfigProto | None = None) -> tf.compat.v1.ConfigProto:
-    """A copy of `config` (or a new ConfigProto) that gives this rank its local GPU only.
+def session_config(config: tf.compat.v1.ConfigProto | None = None, *,
+                   thread_spinning: bool = False) -> tf.compat.v1.ConfigProto:
+    """A copy of `config` (or a new ConfigProto) for this rank: its local GPU only, and no
+    spinning thread pools in a job of more than one rank.
 
     `gpu_options.visible_device_list` becomes `str(local_rank())` and `allow_growth` is set, so
-    ranks sharing a host do not claim each other's GPUs or memory; every other setting (thread
-    pools, ...) is kept. The argument itself is not modified.
+    ranks sharing a host do not claim each other's GPUs or memory. With more than one rank and
+    `thread_spinning=False`, `experimental.disable_thread_spinning` is set: TensorFlow's idle
+    pool threads otherwise spin for work, on the cores that the collectives' background thread
+    and the other ranks of the host need, which about doubles what an allreduce adds to a step
+    (docs/performance.md). Every other setting (thread pools, ...) is kept. The argument itself
+    is not modified.
     """
     result = tf.compat.v1.ConfigProto()
     if config is not None:
         result.CopyFrom(config)
     result.gpu_options.visible_device_list = str(basics.local_rank())
     result.gpu_options.allow_growth = True
+    if basics.size() > 1 and not thread_spinning:
+        result.experimental.disable_thread_spinning = True
     return result
 
 

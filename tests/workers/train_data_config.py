@@ -70,6 +70,13 @@ def check_config(rank: int, size: int) -> None:
         fail(rank, "allow_growth not set")
     if (config.intra_op_parallelism_threads, config.inter_op_parallelism_threads) != (1, 2):
         fail(rank, "session_config dropped the user's thread settings")
+    # More than one rank: TensorFlow's pools must not spin on the cores the collectives need.
+    if not config.experimental.disable_thread_spinning:
+        fail(rank, "session_config left thread spinning on with more than one rank")
+    if pl.session_config(user, thread_spinning=True).experimental.disable_thread_spinning:
+        fail(rank, "session_config(thread_spinning=True) still disabled spinning")
+    if user.experimental.disable_thread_spinning:
+        fail(rank, "session_config modified its argument's experimental options")
     if user.gpu_options.visible_device_list:
         fail(rank, "session_config modified its argument")
     if pl.session_config().gpu_options.visible_device_list != str(rank):
