@@ -4,8 +4,11 @@
 
 For each float32 size: median time per allreduce (Sum) and algorithm bandwidth (bytes / time) of
 (a) `perseus_legacy.allreduce` run by a `tf.compat.v1.Session` and (b) `comm.Allreduce` of
-mpi4py on numpy buffers, and the bandwidth ratio a/b. Then 100 x 16 KiB tensors in one
-session.run against one 1.6 MiB tensor: what fusion costs over a single collective.
+mpi4py on numpy buffers, and the bandwidth ratio a/b; and (c) mpi4py taking 4 buffer pairs in
+turn (a step's gradients are different buffers; one pair stays in the CPU's caches between
+calls, which from a few MiB on makes (b) faster than any step's allreduce). Then 100 x 16 KiB
+tensors in one session.run against one 1.6 MiB tensor: what fusion costs over a single
+collective.
 
 TCP column (unless --no-tcp): after the MPI tables, rank 0 starts a separate
 `perseusrun --tcp -np N` launch of this script (`--tcp-worker`), which times
@@ -120,7 +123,7 @@ def print_tcp_table(size: int, rows: list, tcp: dict) -> None:
     print("| size | mpi4py (ms) | mpi4py (GB/s) | TCP (ms) | TCP (GB/s) | TCP / mpi4py "
           f"| TF op over TCP, chain of {CHAIN} (ms/op) | TF op over floor (us) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for nbytes, _, _, mpi_s, _ in rows:
+    for nbytes, _, _, mpi_s, _, _ in rows:
         tcp_s, op_s, floor_s = (tcp[nbytes][k] for k in ("core", "op", "floor"))
         print(f"| {label(nbytes)} | {mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | "
               f"{tcp_s * 1e3:.3f} | {nbytes / tcp_s / 1e9:.2f} | {mpi_s / tcp_s:.2f}x | "
@@ -150,9 +153,11 @@ def main() -> None:
         times = median_seconds({"op": tf_allreduce_step([[nbytes // 4]], CHAIN),
                                 "single": tf_allreduce_step([[nbytes // 4]]),
                                 "floor": tf_allreduce_step([[nbytes // 4]], CHAIN, floor=True),
-                                "mpi4py": mpi4py_step(nbytes)}, args.repeats, args.budget)
+                                "mpi4py": mpi4py_step(nbytes),
+                                "mpi4py_turns": mpi4py_step(nbytes, CHAIN)},
+                               args.repeats, args.budget)
         rows.append((nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"],
-                     times["floor"] / CHAIN))
+                     times["floor"] / CHAIN, times["mpi4py_turns"]))
 
     many_bytes = 100 * 16 * KIB
     times = median_seconds({"many": tf_allreduce_step([[16 * KIB // 4]] * 100),
@@ -169,13 +174,15 @@ def main() -> None:
               f"{os.cpu_count()} cores, load average {load}, TF_CPU_ALLOCATOR_USE_BFC={bfc}\n")
         print(f"| size | TF op, chain of {CHAIN} (ms/op) | TF op (GB/s) | mpi4py (ms) "
               "| mpi4py (GB/s) | TF op / mpi4py | TF op, 1 per session.run (ms) "
-              "| TF floor (ms/op) | TF op over floor (us) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for nbytes, op_s, single_s, mpi_s, floor_s in rows:
+              f"| TF floor (ms/op) | TF op over floor (us) | mpi4py, {CHAIN} buffers (ms) "
+              f"| TF op / mpi4py, {CHAIN} buffers |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for nbytes, op_s, single_s, mpi_s, floor_s, turns_s in rows:
             print(f"| {label(nbytes)} | {op_s * 1e3:.3f} | {nbytes / op_s / 1e9:.2f} | "
                   f"{mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | {mpi_s / op_s:.2f}x | "
                   f"{single_s * 1e3:.3f} | {floor_s * 1e3:.3f} | "
-                  f"{(op_s - floor_s) * 1e6:.0f} |")
+                  f"{(op_s - floor_s) * 1e6:.0f} | {turns_s * 1e3:.3f} | "
+                  f"{turns_s / op_s:.2f}x |")
         print("\n| one session.run | time (ms) | GB/s |")
         print("|---|---:|---:|")
         print(f"| 100 x 16 KiB tensors, 100 allreduce ops | {many_s * 1e3:.3f} | "
@@ -188,7 +195,9 @@ def main() -> None:
               "that column (target >= 0.95x at >= 1 MiB). 1 per session.run: the whole call. "
               "TF floor: the same chain with tf.identity for each allreduce; TF op over floor: "
               "what one allreduce adds to TensorFlow's own step, transfer included (target "
-              "<= 50 us at 4 KiB).\n"
+              f"<= 50 us at 4 KiB). mpi4py, {CHAIN} buffers: each call on the next of {CHAIN} "
+              "send/receive pairs, as a step's gradients are different buffers (one pair stays "
+              "in the CPU's caches from call to call).\n"
               f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x as 100 ops, "
               f"{grouped_s / one_s:.2f}x as one grouped op (target <= 1.5x).")
 

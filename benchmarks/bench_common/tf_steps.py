@@ -60,11 +60,20 @@ def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
     return lambda: sess.run(target)
 
 
-def mpi4py_step(nbytes: int):
-    """One comm.Allreduce (Sum) of `nbytes` of float32 on numpy buffers."""
+def mpi4py_step(nbytes: int, buffers: int = 1):
+    """One comm.Allreduce (Sum) of `nbytes` of float32 on numpy buffers. `buffers` > 1: each
+    call takes the next of that many send/receive pairs, as a step's allreduces each have their
+    own gradient: from a few MiB on, one pair stays in the CPU's caches between calls."""
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    send = np.ones(nbytes // 4, np.float32)
-    recv = np.empty_like(send)
-    return lambda: comm.Allreduce(send, recv, op=MPI.SUM)
+    pairs = [(np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32))
+             for _ in range(buffers)]
+    turn = [0]
+
+    def step():
+        send, recv = pairs[turn[0] % buffers]
+        turn[0] += 1
+        comm.Allreduce(send, recv, op=MPI.SUM)
+
+    return step

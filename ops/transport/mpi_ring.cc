@@ -27,8 +27,8 @@ constexpr int kRingTag = 21;  // the control plane's tags are 17-20, on another 
 // of both ranks, whose gentle polling (Wait) leaves the link idle in between: 256 KiB chunks
 // reached 0.6-0.85 of a 1 Gbit/s link at 4 MiB, eager ones 0.8-0.9 on the same loaded host.
 // Within a host (shared memory, Open MPI's single copy: the receiving rank's own CPU does the copy,
-// so smaller chunks overlap nothing) larger chunks cost fewer waits: 512 KiB chunks ran a 1 MiB
-// allreduce on 2 ranks in ~174 us against ~191 with 256 KiB ones (docs/performance.md).
+// so smaller chunks overlap nothing) larger chunks cost fewer waits: with 512 KiB chunks the TF
+// op took ~174 us a 1 MiB allreduce on 2 ranks, ~191 with 256 KiB ones (docs/performance.md).
 constexpr int64_t kCrossHostChunkBytes = int64_t{63} << 10;
 constexpr int64_t kOneHostChunkBytes = int64_t{512} << 10;
 // The largest reduce-scatter scratch kept between allreduces.
