@@ -12,6 +12,8 @@ from __future__ import annotations  # noqa: I001 (import order below is delibera
 # perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
 import perseus_legacy as pl
 
+import itertools
+
 import numpy as np
 import tensorflow as tf
 
@@ -67,13 +69,6 @@ def mpi4py_step(nbytes: int, buffers: int = 1):
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    pairs = [(np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32))
-             for _ in range(buffers)]
-    turn = [0]
-
-    def step():
-        send, recv = pairs[turn[0] % buffers]
-        turn[0] += 1
-        comm.Allreduce(send, recv, op=MPI.SUM)
-
-    return step
+    pairs = itertools.cycle([(np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32))
+                             for _ in range(buffers)])
+    return lambda: comm.Allreduce(*next(pairs), op=MPI.SUM)
