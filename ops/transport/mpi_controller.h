@@ -190,7 +190,7 @@ class MpiController : public Controller {
 
   std::vector<char> gather_slots_;  // reused per round: size_ * kSlotBytes on the coordinator
   std::vector<char> slot_;
-  std::vector<char> ring_scratch_;  // one received segment of a ring allreduce, before it is added
+  std::vector<char> ring_scratch_;  // one received segment of an in-place ring, before it is added
   std::vector<char> exchange_;  // what recursive doubling sends while its receipts replace it
   AllreducePolicy policy_;      // which allreduce algorithm runs (AllreduceAlgorithmFor)
 
