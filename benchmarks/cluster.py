@@ -41,12 +41,12 @@ def worker(controller: str, rows: list, sizes: list, repeats: int, budget_s: flo
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = controller == "mpi"  # --tcp: MPI never starts
-    import numpy as np
-    from bench_common.tf_steps import mpi4py_step, tf_allreduce_step  # perseus_legacy, then TF
-    from bench_common.timing import timed
-
-    import perseus_legacy as pl
+    # perseus_legacy before tf_steps (TensorFlow): it selects legacy Keras first.
+    import perseus_legacy as pl  # noqa: I001
     from perseus_legacy import _core
+    import numpy as np
+    from bench_common.tf_steps import mpi4py_step, tf_allreduce_step
+    from bench_common.timing import timed
 
     pl.init()
     if controller == "mpi":

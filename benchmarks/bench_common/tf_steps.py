@@ -1,18 +1,18 @@
 """The TF allreduce op's Session steps and mpi4py's Allreduce, as the collective benchmarks time
-them (benchmarks/allreduce.py, benchmarks/cluster.py).
+them (benchmarks/allreduce.py, benchmarks/cluster.py; allreduce_horovod.py with Horovod's op).
 
 How the op is measured: the input is a variable (no feed copied into the graph each step), and
 the session runs a NoOp with the allreduces as control inputs (the result is computed, never
-fetched: a fetch would copy it into a new numpy array every step). Imports perseus_legacy, then
-TensorFlow; mpi4py only in mpi4py_step() (a TCP launch never initializes MPI).
+fetched: a fetch would copy it into a new numpy array every step). Imports TensorFlow;
+perseus_legacy only when a step uses its op (a caller that does imports perseus_legacy before
+this module, so that it selects legacy Keras first); mpi4py only in mpi4py_step() (a TCP launch
+never initializes MPI).
 """
 
-from __future__ import annotations  # noqa: I001 (import order below is deliberate)
-
-# perseus_legacy first: it selects legacy Keras before TensorFlow binds tf.keras.
-import perseus_legacy as pl
+from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -20,16 +20,27 @@ import tensorflow as tf
 INTER_OP_THREADS = 2  # async kernels never hold a thread; two keep the executor responsive
 
 
-def session(graph: tf.Graph) -> tf.compat.v1.Session:
+def session(graph: tf.Graph, native: bool = True) -> tf.compat.v1.Session:
     """A Session configured as the docs tell users to: through pl.session_config() (no spinning
-    thread pools on more than one rank)."""
+    thread pools on more than one rank). `native=False` (another library's op, perseus_legacy not
+    loaded): the same settings, set directly."""
     config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
                                       inter_op_parallelism_threads=INTER_OP_THREADS)
-    return tf.compat.v1.Session(graph=graph, config=pl.session_config(config))
+    if native:
+        import perseus_legacy as pl
+
+        config = pl.session_config(config)
+    else:
+        config.experimental.disable_thread_spinning = True
+        # Grappler's dependency optimizer removes a stateless op whose output only feeds control
+        # edges, as the chain's do: Horovod's allreduce is not marked stateful (this one is).
+        config.graph_options.rewrite_options.dependency_optimization = (
+            config.graph_options.rewrite_options.OFF)
+    return tf.compat.v1.Session(graph=graph, config=config)
 
 
 def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
-                      floor: bool = False):
+                      floor: bool = False, allreduce: Callable | None = None):
     """A Session step running `chain` rounds of one Sum-allreduce per shape, nothing fetched.
 
     Rounds are serialized by control dependencies, so each allreduce runs alone (never fused
@@ -37,7 +48,16 @@ def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
     each round is one grouped_allreduce op of all the shapes instead of one op per shape.
     `floor`: the same graph with `tf.identity` in place of each allreduce, TensorFlow's own cost
     of such a step (the variable read, the executor, session.run), which no collective can beat.
+    `allreduce(tensor, name)`: another library's Sum-allreduce op in place of perseus_legacy's
+    (not with `grouped`), which is then not imported (also for that library's `floor`).
     """
+    native = allreduce is None
+    if native:
+        import perseus_legacy as pl
+
+        def allreduce(tensor, name):
+            return pl.allreduce(tensor, op=pl.Sum, name=name)
+    assert native or not grouped, "grouped is perseus_legacy's grouped_allreduce"
     graph = tf.Graph()
     with graph.as_default():
         variables = [tf.compat.v1.Variable(tf.ones(s, tf.float32), name=f"input_{i}")
@@ -52,12 +72,12 @@ def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
                     previous = pl.grouped_allreduce([v.read_value() for v in variables],
                                                     op=pl.Sum, name=f"bench_group_{k}")
                 else:
-                    previous = [pl.allreduce(v.read_value(), op=pl.Sum, name=f"bench_{i}_{k}")
+                    previous = [allreduce(v.read_value(), f"bench_{i}_{k}")
                                 for i, v in enumerate(variables)]
         target = tf.group(*previous)
         init = tf.compat.v1.global_variables_initializer()
     graph.finalize()
-    sess = session(graph)
+    sess = session(graph, native)
     sess.run(init)
     return lambda: sess.run(target)
 
