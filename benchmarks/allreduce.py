@@ -29,8 +29,8 @@ How the op is measured:
   over TCP, in the TCP launch).
 Horovod table (--horovod): rank 0 then starts Horovod 0.28.1's TF op in the same steps
 (benchmarks/allreduce_horovod.py, TF 2.15.1 in the peers venv, `make peers`, under that venv's
-mpirun) and prints it against this run's mpi4py times and its own floor: the reference library's
-async op on the same host, beside this one.
+mpirun) and prints it against this run's mpi4py times: the reference library's async op on the
+same host, beside this one.
 Rank 0 prints markdown tables.
 """
 

@@ -1,8 +1,9 @@
 """One rank of benchmarks/allreduce.py's Horovod table (its `--horovod`): Horovod 0.28.1's own TF
 allreduce op on TF 2.15.1 (the peers venv, `make peers`) in the same chained Session steps as
-the main table's op (bench_common/tf_steps.py, the same Session settings). allreduce.py starts
-it under the peers venv's mpirun (MPI controller and operations); rank 0 prints
-`HOROVOD_SECONDS {bytes: seconds per allreduce}`.
+the main table's op (bench_common/tf_steps.py: the same Session settings, with Grappler's
+dependency optimizer off, which would drop Horovod's stateless op from the chain).
+allreduce.py starts it under the peers venv's mpirun (MPI controller and operations); rank 0
+prints `HOROVOD_SECONDS {bytes: seconds per allreduce}`.
 """
 
 from __future__ import annotations
