@@ -44,6 +44,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -56,6 +57,26 @@ if "--tcp-worker" not in sys.argv:  # the TCP launch must not initialize MPI
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB]
 CHAIN = 4  # allreduces per session.run in the main table
+
+
+class Row(NamedTuple):
+    """One size of the main table: seconds per allreduce (`op`, `floor`: per op of the chain)."""
+
+    nbytes: int
+    op: float  # the TF op, chain of CHAIN
+    single: float  # one op per session.run
+    mpi4py: float  # one warm buffer pair
+    floor: float  # the chain with tf.identity
+    mpi4py_turns: float  # CHAIN buffer pairs in turn
+
+
+def launched_seconds(proc: subprocess.CompletedProcess, marker: str, what: str) -> dict:
+    """{bytes: value} from the `marker {json}` line a separate launch's rank 0 printed."""
+    for line in proc.stdout.splitlines():
+        if line.startswith(marker + " "):
+            return {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
+    raise RuntimeError(f"the {what} launch failed (exit {proc.returncode}):\n{proc.stdout}\n"
+                       f"{proc.stderr}")
 
 
 def label(nbytes: int) -> str:
@@ -114,11 +135,7 @@ def tcp_seconds(size: int, sizes: list, repeats: int, budget_s: float) -> dict:
            os.path.abspath(__file__), "--tcp-worker", "--sizes", ",".join(map(str, sizes)),
            "--repeats", str(repeats), "--budget", str(budget_s)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    for line in proc.stdout.splitlines():
-        if line.startswith("TCP_SECONDS "):
-            return {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
-    raise RuntimeError(f"the TCP launch failed (exit {proc.returncode}):\n{proc.stdout}\n"
-                       f"{proc.stderr}")
+    return launched_seconds(proc, "TCP_SECONDS", "TCP")
 
 
 # ---- Horovod table: Horovod's TF op in the same steps, a launch in the peers venv -------------
@@ -143,14 +160,10 @@ def horovod_seconds(size: int, sizes: list, repeats: int, budget_s: float,
            "--sizes", ",".join(map(str, sizes)), "--chain", str(CHAIN), "--repeats", str(repeats),
            "--budget", str(budget_s)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    for line in proc.stdout.splitlines():
-        if line.startswith("HOROVOD_SECONDS "):
-            return {int(k): v for k, v in json.loads(line.split(" ", 1)[1]).items()}
-    raise RuntimeError(f"the Horovod launch failed (exit {proc.returncode}):\n{proc.stdout}\n"
-                       f"{proc.stderr}")
+    return launched_seconds(proc, "HOROVOD_SECONDS", "Horovod")
 
 
-def print_horovod_table(size: int, rows: list, runs: dict) -> None:
+def print_horovod_table(size: int, rows: list[Row], runs: dict) -> None:
     """`runs`: {HOROVOD_CYCLE_TIME label: horovod_seconds()}."""
     print(f"\nHorovod 0.28.1's TF op ({size} ranks, MPI, TF 2.15.1, a separate launch; the same "
           f"chain of {CHAIN} and Session settings) against this run's mpi4py, beside this op: "
@@ -158,11 +171,11 @@ def print_horovod_table(size: int, rows: list, runs: dict) -> None:
     print("| size | mpi4py (ms) | this op | " + " | ".join(
         f"Horovod, HOROVOD_CYCLE_TIME={cycle}" for cycle in runs) + " |")
     print("|---:|---:|---:|" + "---:|" * len(runs))
-    for nbytes, op_s, _, mpi_s, _, _ in rows:
-        cells = [f"{op_s * 1e3:.3f} ({mpi_s / op_s:.2f}x)"] + [
-            f"{seconds[nbytes] * 1e3:.3f} ({mpi_s / seconds[nbytes]:.2f}x)"
+    for row in rows:
+        cells = [f"{row.op * 1e3:.3f} ({row.mpi4py / row.op:.2f}x)"] + [
+            f"{seconds[row.nbytes] * 1e3:.3f} ({row.mpi4py / seconds[row.nbytes]:.2f}x)"
             for seconds in runs.values()]
-        print(f"| {label(nbytes)} | {mpi_s * 1e3:.3f} | " + " | ".join(cells) + " |")
+        print(f"| {label(row.nbytes)} | {row.mpi4py * 1e3:.3f} | " + " | ".join(cells) + " |")
     print("\nHOROVOD_CYCLE_TIME (ms): default, 0.1, and 0 (its background thread never sleeps). "
           "Horovod's op is not marked stateful, so its Session keeps Grappler's dependency "
           "optimizer off (which would otherwise drop a chain that only feeds control edges). "
@@ -170,13 +183,14 @@ def print_horovod_table(size: int, rows: list, runs: dict) -> None:
           "between launches, one run's ratios are rough.")
 
 
-def print_tcp_table(size: int, rows: list, tcp: dict) -> None:
+def print_tcp_table(size: int, rows: list[Row], tcp: dict) -> None:
     print(f"\nTCP controller ({size} ranks, perseusrun --tcp, a separate launch): _core.allreduce "
           "on numpy against this run's mpi4py over MPI, and the TF op against its floor\n")
     print("| size | mpi4py (ms) | mpi4py (GB/s) | TCP (ms) | TCP (GB/s) | TCP / mpi4py "
           f"| TF op over TCP, chain of {CHAIN} (ms/op) | TF op over floor (us) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for nbytes, _, _, mpi_s, _, _ in rows:
+    for row in rows:
+        nbytes, mpi_s = row.nbytes, row.mpi4py
         tcp_s, op_s, floor_s = (tcp[nbytes][k] for k in ("core", "op", "floor"))
         print(f"| {label(nbytes)} | {mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | "
               f"{tcp_s * 1e3:.3f} | {nbytes / tcp_s / 1e9:.2f} | {mpi_s / tcp_s:.2f}x | "
@@ -197,6 +211,8 @@ def main() -> None:
     parser.add_argument("--tcp-worker", action="store_true",
                         help="internal: one rank of the TCP column's perseusrun --tcp launch")
     args = parser.parse_args()
+    if args.horovod and not os.access(os.path.join(PEERS_BIN, "python"), os.X_OK):
+        parser.error(f"--horovod: {PEERS_BIN}/python is missing (`make peers` builds it)")
     if args.tcp_worker:
         tcp_worker(args.sizes, args.repeats, args.budget)
         return
@@ -211,8 +227,8 @@ def main() -> None:
                                 "mpi4py": mpi4py_step(nbytes),
                                 "mpi4py_turns": mpi4py_step(nbytes, CHAIN)},
                                args.repeats, args.budget)
-        rows.append((nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"],
-                     times["floor"] / CHAIN, times["mpi4py_turns"]))
+        rows.append(Row(nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"],
+                        times["floor"] / CHAIN, times["mpi4py_turns"]))
 
     many_bytes = 100 * 16 * KIB
     times = median_seconds({"many": tf_allreduce_step([[16 * KIB // 4]] * 100),
@@ -263,8 +279,6 @@ def main() -> None:
     if rank == 0 and not args.no_tcp and size > 1:
         print_tcp_table(size, rows, tcp_seconds(size, args.sizes, args.repeats, args.budget))
     if rank == 0 and args.horovod and size > 1:
-        if not os.access(os.path.join(PEERS_BIN, "python"), os.X_OK):
-            sys.exit(f"--horovod: {PEERS_BIN}/python is missing (`make peers` builds it)")
         runs = {cycle or "default": horovod_seconds(size, args.sizes, args.repeats, args.budget,
                                                     cycle) for cycle in (None, "0.1", "0")}
         print_horovod_table(size, rows, runs)

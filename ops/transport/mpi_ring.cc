@@ -240,9 +240,11 @@ Status MpiController::RingOver(const std::vector<int>& members, int at, const vo
     *request = MPI_REQUEST_NULL;
     return Wait(&one, {peer}, "ring allreduce", WaitFor::kRing);
   };
-  // Where chunk k of reduce-scatter step j arrives.
+  // Where chunk k of step j arrives: its place in the output, or scratch for a reduce-scatter
+  // step in place.
   const auto receipt = [&](int j, int64_t k) {
-    return (into_scratch ? ring_scratch_.data() : data + first(received(j)) * item) + k * chunk;
+    const bool scratch = into_scratch && reduces(j);
+    return (scratch ? ring_scratch_.data() : data + first(received(j)) * item) + k * chunk;
   };
   const auto post_receive = [&](int j, int64_t k) {
     const int seg = received(j);
@@ -250,8 +252,7 @@ Status MpiController::RingOver(const std::vector<int>& members, int at, const vo
       Status s = wait_one(&sending[static_cast<size_t>(seg * max_chunks + k)], peers[1]);
       if (!s.ok()) return s;
     }
-    char* into = reduces(j) ? receipt(j, k) : data + first(seg) * item + k * chunk;
-    return CheckRing(MPI_Irecv(into, chunk_bytes(seg, k), MPI_BYTE, prev,
+    return CheckRing(MPI_Irecv(receipt(j, k), chunk_bytes(seg, k), MPI_BYTE, prev,
                                kRingTag, data_, &receiving[static_cast<size_t>(k)]),
                      "MPI_Irecv");
   };
