@@ -27,6 +27,12 @@ How the op is measured:
 - TensorFlow's floor: the same chain with tf.identity in place of each allreduce, timed in the
   same turns; "TF op over floor" is what one allreduce adds to the step (also for the TF op
   over TCP, in the TCP launch).
+- Without a thread pool: the same chain in a Session with inter_op_parallelism_threads=-1, which
+  runs each kernel on the thread that made it ready. An async op otherwise costs two thread
+  hand-offs (TensorFlow's pool thread submits it to the background thread, whose completion
+  callback schedules the next kernel back on the pool); this column is the op without them,
+  what the runtime itself does. Not a setting for training: the step's compute would then run
+  on the background thread, between collectives.
 Horovod table (--horovod): rank 0 then starts Horovod 0.28.1's TF op in the same steps
 (benchmarks/allreduce_horovod.py, TF 2.15.1 in the peers venv, `make peers`, under that venv's
 mpirun) and prints it against this run's mpi4py times: the reference library's async op on the
@@ -68,6 +74,7 @@ class Row(NamedTuple):
     mpi4py: float  # one warm buffer pair
     floor: float  # the chain with tf.identity
     mpi4py_turns: float  # CHAIN buffer pairs in turn
+    inline: float  # the TF op, chain of CHAIN, a Session without an inter-op thread pool
 
 
 def launched_seconds(proc: subprocess.CompletedProcess, marker: str, what: str) -> dict:
@@ -225,10 +232,11 @@ def main() -> None:
                                 "single": tf_allreduce_step([[nbytes // 4]]),
                                 "floor": tf_allreduce_step([[nbytes // 4]], CHAIN, floor=True),
                                 "mpi4py": mpi4py_step(nbytes),
-                                "mpi4py_turns": mpi4py_step(nbytes, CHAIN)},
+                                "mpi4py_turns": mpi4py_step(nbytes, CHAIN),
+                                "inline": tf_allreduce_step([[nbytes // 4]], CHAIN, inline=True)},
                                args.repeats, args.budget)
         rows.append(Row(nbytes, times["op"] / CHAIN, times["single"], times["mpi4py"],
-                        times["floor"] / CHAIN, times["mpi4py_turns"]))
+                        times["floor"] / CHAIN, times["mpi4py_turns"], times["inline"] / CHAIN))
 
     many_bytes = 100 * 16 * KIB
     times = median_seconds({"many": tf_allreduce_step([[16 * KIB // 4]] * 100),
@@ -246,14 +254,16 @@ def main() -> None:
         print(f"| size | TF op, chain of {CHAIN} (ms/op) | TF op (GB/s) | mpi4py (ms) "
               "| mpi4py (GB/s) | TF op / mpi4py | TF op, 1 per session.run (ms) "
               f"| TF floor (ms/op) | TF op over floor (us) | mpi4py, {CHAIN} buffers (ms) "
-              f"| TF op / mpi4py, {CHAIN} buffers | TF op / (mpi4py + TF floor) |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-        for nbytes, op_s, single_s, mpi_s, floor_s, turns_s in rows:
+              f"| TF op / mpi4py, {CHAIN} buffers | TF op / (mpi4py + TF floor) "
+              "| TF op, no thread pool (ms/op) | no thread pool / mpi4py |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for nbytes, op_s, single_s, mpi_s, floor_s, turns_s, inline_s in rows:
             print(f"| {label(nbytes)} | {op_s * 1e3:.3f} | {nbytes / op_s / 1e9:.2f} | "
                   f"{mpi_s * 1e3:.3f} | {nbytes / mpi_s / 1e9:.2f} | {mpi_s / op_s:.2f}x | "
                   f"{single_s * 1e3:.3f} | {floor_s * 1e3:.3f} | "
                   f"{(op_s - floor_s) * 1e6:.0f} | {turns_s * 1e3:.3f} | "
-                  f"{turns_s / op_s:.2f}x | {(mpi_s + floor_s) / op_s:.2f}x |")
+                  f"{turns_s / op_s:.2f}x | {(mpi_s + floor_s) / op_s:.2f}x | "
+                  f"{inline_s * 1e3:.3f} | {mpi_s / inline_s:.2f}x |")
         print("\n| one session.run | time (ms) | GB/s |")
         print("|---|---:|---:|")
         print(f"| 100 x 16 KiB tensors, 100 allreduce ops | {many_s * 1e3:.3f} | "
@@ -270,7 +280,11 @@ def main() -> None:
               "send/receive pairs, as a step's gradients are different buffers (one pair stays "
               "in the CPU's caches from call to call). TF op / (mpi4py + TF floor): against "
               "the fastest a TF op could be on this host, MPI's own transfer plus TensorFlow's "
-              "own cost of the op in the step.\n"
+              "own cost of the op in the step. No thread pool: the chain in a Session with "
+              "inter_op_parallelism_threads=-1, which runs each kernel on the thread that made "
+              "it ready (the collective's own background thread after the first), without the "
+              "two thread hand-offs an async op costs otherwise: what this op's runtime does "
+              "without TensorFlow's thread pool (not a training setting).\n"
               f"100 small tensors / one fused tensor: {many_s / one_s:.2f}x as 100 ops, "
               f"{grouped_s / one_s:.2f}x as one grouped op (target <= 1.5x).")
 

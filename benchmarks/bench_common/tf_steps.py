@@ -18,14 +18,20 @@ import numpy as np
 import tensorflow as tf
 
 INTER_OP_THREADS = 2  # async kernels never hold a thread; two keep the executor responsive
+# A negative count makes a Session run every kernel on the thread that made it ready: session.run's
+# own thread, then the thread that completes an async kernel (the collective runtime's background
+# thread), with no hand-off to a thread pool. A measurement only: in training, the step's
+# compute would then run on the background thread, between its collectives.
+INLINE_INTER_OP_THREADS = -1
 
 
-def session(graph: tf.Graph, native: bool = True) -> tf.compat.v1.Session:
+def session(graph: tf.Graph, native: bool = True, inline: bool = False) -> tf.compat.v1.Session:
     """A Session configured as the docs tell users to: through pl.session_config() (no spinning
     thread pools on more than one rank). `native=False` (another library's op, perseus_legacy not
-    loaded): the same settings, set directly."""
-    config = tf.compat.v1.ConfigProto(intra_op_parallelism_threads=1,
-                                      inter_op_parallelism_threads=INTER_OP_THREADS)
+    loaded): the same settings, set directly. `inline`: INLINE_INTER_OP_THREADS."""
+    config = tf.compat.v1.ConfigProto(
+        intra_op_parallelism_threads=1,
+        inter_op_parallelism_threads=INLINE_INTER_OP_THREADS if inline else INTER_OP_THREADS)
     if native:
         import perseus_legacy as pl
 
@@ -40,7 +46,8 @@ def session(graph: tf.Graph, native: bool = True) -> tf.compat.v1.Session:
 
 
 def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
-                      floor: bool = False, allreduce: Callable | None = None):
+                      floor: bool = False, allreduce: Callable | None = None,
+                      inline: bool = False):
     """A Session step running `chain` rounds of one Sum-allreduce per shape, nothing fetched.
 
     Rounds are serialized by control dependencies, so each allreduce runs alone (never fused
@@ -50,6 +57,7 @@ def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
     of such a step (the variable read, the executor, session.run), which no collective can beat.
     `allreduce(tensor, name)`: another library's Sum-allreduce op in place of perseus_legacy's
     (not with `grouped`), which is then not imported (also for that library's `floor`).
+    `inline`: a Session that runs every kernel without a thread pool (see session()).
     """
     native = allreduce is None
     if native:
@@ -77,7 +85,7 @@ def tf_allreduce_step(shapes: list, chain: int = 1, grouped: bool = False,
         target = tf.group(*previous)
         init = tf.compat.v1.global_variables_initializer()
     graph.finalize()
-    sess = session(graph, native)
+    sess = session(graph, native, inline)
     sess.run(init)
     return lambda: sess.run(target)
 
